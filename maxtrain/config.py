@@ -1,0 +1,338 @@
+"""Layered YAML config: base.yml defaults <- base_config chain <- model preset <- key=value overrides.
+
+configs/base.yml is the schema: it declares every key and its default, and each key's type is the
+type of its default. Everything a user can get wrong is checked here, before anything compiles, and
+reported as a ConfigError that names the key. Values that follow from the config and the devices
+(mesh shape, global batch, parameter count) are derived once, in `with_devices` and `_derive_static`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+BASE_YML = CONFIG_DIR / "base.yml"
+
+MESH_AXES = ("data", "fsdp", "tensor")
+DTYPES = ("float32", "bfloat16")
+MODEL_KEYS = (
+    "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
+    "base_mlp_dim", "base_num_decoder_layers", "rope_theta", "normalization_layer_epsilon",
+    "logits_via_embedding",
+)
+# Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.remat.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES,
+    "weight_dtype": DTYPES,
+    "mu_dtype": DTYPES,
+    "learning_rate_schedule": ("cosine", "linear", "constant"),
+    "dataset_type": ("synthetic",),
+    "attention": ("dot_product", "jax_nn"),
+}
+POSITIVE_INTS = (
+    "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
+    "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_num_decoder_layers",
+    "max_target_length", "gradient_accumulation_steps",
+)
+
+
+class ConfigError(ValueError):
+    """A user-fixable config problem; `str()` is the one line the CLI prints."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class Config(Mapping):
+    """Frozen, attribute-access view of the merged config."""
+
+    def __init__(self, values: Mapping[str, Any]):
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Config is frozen; use config.replace(...)")
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def replace(self, **changes) -> "Config":
+        return Config({**self._values, **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and merging
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError("config", f"cannot read {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise ConfigError("config", f"{path}{where} is not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping of key: value")
+    return data
+
+
+def _read_chain(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Values of `path` over those of its base_config chain (root first)."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError("base_config", f"cycle through {path}")
+    data = _read_yaml(path)
+    parent = data.pop("base_config", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError("base_config", f"in {path} must be a path string")
+    return {**_read_chain(path.parent / parent, seen + (path,)), **data}
+
+
+def _parse_override(arg: str, defaults: Mapping[str, Any]) -> tuple[str, Any]:
+    key, sep, text = arg.partition("=")
+    key = key.strip().lstrip("-")
+    if not sep or not key:
+        raise ConfigError(arg, "expected key=value")
+    _check_known(key, defaults)
+    default = defaults[key]
+    if isinstance(default, bool):
+        low = text.strip().lower()
+        if low in ("true", "1", "yes"):
+            return key, True
+        if low in ("false", "0", "no"):
+            return key, False
+        raise ConfigError(key, f"expected true or false, got {text!r}")
+    if isinstance(default, int):
+        try:
+            return key, int(text)
+        except ValueError:
+            raise ConfigError(key, f"expected an integer, got {text!r}") from None
+    if isinstance(default, float):
+        try:
+            return key, float(text)
+        except ValueError:
+            raise ConfigError(key, f"expected a number, got {text!r}") from None
+    if isinstance(default, str):
+        return key, text
+    try:  # lists: YAML flow syntax, e.g. logical_axis_rules='[["batch","data"]]'
+        return key, yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(key, f"expected a YAML list, got {text!r}") from None
+
+
+def _check_known(key: str, defaults: Mapping[str, Any]) -> None:
+    if key in defaults:
+        return
+    close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise ConfigError(key, f"unknown key{hint}")
+
+
+def _check_type(key: str, value: Any, default: Any) -> Any:
+    kind = type(default)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def load(argv: Sequence[str]) -> Config:
+    """argv = [config.yml, key=value, ...] -> validated Config (devices not yet known)."""
+    if not argv or "=" in argv[0]:
+        raise ConfigError("config", "first argument must be a YAML config file")
+    defaults = _read_yaml(BASE_YML)
+    files = _read_chain(Path(argv[0]))
+    for key in files:
+        _check_known(key, defaults)
+    overrides = dict(_parse_override(arg, defaults) for arg in argv[1:])
+
+    model_name = overrides.get("model_name", files.get("model_name", defaults["model_name"]))
+    preset = {} if model_name == "default" else _read_preset(model_name)
+
+    values = {**defaults, **files, **preset, **overrides}
+    for key, value in values.items():
+        values[key] = _check_type(key, value, defaults[key])
+    _validate(values)
+    return Config(_derive_static(values))
+
+
+def _read_preset(name: str) -> dict[str, Any]:
+    path = CONFIG_DIR / "models" / f"{name}.yml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.yml"))
+        raise ConfigError("model_name", f"no preset {name!r}; known: default, {', '.join(known)}")
+    preset = _read_yaml(path)
+    for key in preset:
+        if key not in MODEL_KEYS:
+            raise ConfigError(key, f"model preset {path.name} may only set model keys")
+    return preset
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _validate(c: dict[str, Any]) -> None:
+    from maxtrain.remat import POLICY_NAMES  # the remat module owns the list of policies
+
+    choices = {**CHOICES, "remat_policy": POLICY_NAMES}
+    for key, allowed in choices.items():
+        if c[key] not in allowed:
+            raise ConfigError(key, f"{c[key]!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE_INTS:
+        if c[key] <= 0:
+            raise ConfigError(key, f"must be a positive integer, got {c[key]}")
+    if c["per_device_batch_size"] <= 0:
+        raise ConfigError("per_device_batch_size", "must be > 0")
+    if c["base_num_query_heads"] % c["base_num_kv_heads"]:
+        raise ConfigError("base_num_kv_heads", f"{c['base_num_kv_heads']} must divide "
+                          f"base_num_query_heads={c['base_num_query_heads']}")
+    if not 0 <= c["warmup_steps_fraction"] <= 1:
+        raise ConfigError("warmup_steps_fraction", "must be in [0, 1]")
+    if not 0 <= c["cosine_learning_rate_final_fraction"] <= 1:
+        raise ConfigError("cosine_learning_rate_final_fraction", "must be in [0, 1]")
+    for key in ("adam_b1", "adam_b2"):
+        if not 0 <= c[key] < 1:
+            raise ConfigError(key, "must be in [0, 1)")
+    for key in ("learning_rate", "adam_eps", "adam_weight_decay", "gradient_clipping_threshold",
+                "z_loss_multiplier", "peak_tflops_per_device", "normalization_layer_epsilon"):
+        if c[key] < 0:
+            raise ConfigError(key, "must be >= 0")
+    if c["rope_theta"] <= 0:
+        raise ConfigError("rope_theta", "must be > 0")
+    if c["learning_rate_schedule_steps"] == 0 or c["learning_rate_schedule_steps"] < -1:
+        raise ConfigError("learning_rate_schedule_steps", "must be -1 (= steps) or positive")
+    if not c["run_name"] or "/" in c["run_name"]:
+        raise ConfigError("run_name", "must be a non-empty name without '/'")
+    for group in ("ici", "dcn"):
+        sizes = {a: c[f"{group}_{a}_parallelism"] for a in MESH_AXES}
+        for axis, size in sizes.items():
+            if size == 0 or size < -1:
+                raise ConfigError(f"{group}_{axis}_parallelism", "must be positive or -1 (fill)")
+        if list(sizes.values()).count(-1) > 1:
+            raise ConfigError(f"{group}_*_parallelism", "at most one axis per group may be -1")
+    _validate_rules(c["logical_axis_rules"])
+
+
+def _validate_rules(rules: Any) -> None:
+    key = "logical_axis_rules"
+    if not isinstance(rules, list):
+        raise ConfigError(key, "must be a list of [logical_name, mesh_axis | [mesh_axes] | null]")
+    for rule in rules:
+        if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ConfigError(key, f"bad rule {rule!r}; expected [logical_name, mesh_axes]")
+        target = rule[1]
+        axes = [] if target is None else [target] if isinstance(target, str) else target
+        if not isinstance(axes, list) or any(a not in MESH_AXES for a in axes):
+            raise ConfigError(key, f"rule {rule!r}: mesh axes must be among {', '.join(MESH_AXES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived values
+
+
+def count_params(c: Mapping[str, Any]) -> int:
+    """Parameter count from the model shape (checked against the real model in tests)."""
+    d, h, kv, hd = c["base_emb_dim"], c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
+    per_layer = d * hd * (2 * h + 2 * kv) + 3 * d * c["base_mlp_dim"] + 2 * d
+    embeddings = c["vocab_size"] * d * (1 if c["logits_via_embedding"] else 2)
+    return c["base_num_decoder_layers"] * per_layer + embeddings + d
+
+
+def _derive_static(c: dict[str, Any]) -> dict[str, Any]:
+    if c["learning_rate_schedule_steps"] == -1:
+        c["learning_rate_schedule_steps"] = c["steps"]
+    c["num_params"] = count_params(c)
+    return c
+
+
+def _fill(group: str, sizes: dict[str, int], total: int) -> dict[str, int]:
+    known = math.prod(s for s in sizes.values() if s != -1)
+    fill = [a for a, s in sizes.items() if s == -1]
+    given = " x ".join(f"{a}={s}" for a, s in sizes.items())
+    if fill:
+        if total % known:
+            raise ConfigError(f"{group}_{fill[0]}_parallelism",
+                              f"cannot fill: {given} does not divide {total} {group} devices")
+        sizes = {**sizes, fill[0]: total // known}
+    elif known != total:
+        unit = "devices per slice" if group == "ici" else "slices"
+        raise ConfigError(f"{group}_*_parallelism",
+                          f"{given} has product {known}, but there are {total} {unit}")
+    return sizes
+
+
+def with_devices(config: Config, num_devices: int, num_slices: int = 1) -> Config:
+    """Resolve the mesh for the actual devices and check everything that depends on it."""
+    c = config.to_dict()
+    if num_devices % num_slices:
+        raise ConfigError("dcn_*_parallelism", f"{num_devices} devices do not split into {num_slices} slices")
+    ici = _fill("ici", {a: c[f"ici_{a}_parallelism"] for a in MESH_AXES}, num_devices // num_slices)
+    dcn = _fill("dcn", {a: c[f"dcn_{a}_parallelism"] for a in MESH_AXES}, num_slices)
+    shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
+
+    tensor = shape["tensor"]
+    for key in ("base_num_query_heads", "base_num_kv_heads"):
+        if c[key] % tensor:
+            raise ConfigError(key, f"{c[key]} is not divisible by the tensor axis ({tensor})")
+
+    global_batch = c["per_device_batch_size"] * num_devices
+    if global_batch != int(global_batch) or global_batch < 1:
+        raise ConfigError("per_device_batch_size",
+                          f"{c['per_device_batch_size']} x {num_devices} devices is not a whole batch")
+    global_batch = int(global_batch)
+    batch_shards = math.prod(shape[a] for a in batch_mesh_axes(c["logical_axis_rules"]))
+    accum = c["gradient_accumulation_steps"]
+    if global_batch % (batch_shards * accum):
+        raise ConfigError("per_device_batch_size",
+                          f"global batch {global_batch} must divide into {accum} micro-batches "
+                          f"each divisible by the {batch_shards} batch shards")
+
+    c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
+             mesh_shape=shape, global_batch_size=global_batch)
+    return Config(c)
+
+
+def batch_mesh_axes(rules: list) -> list[str]:
+    """Mesh axes that the logical `batch` axis maps to (the first matching rule wins)."""
+    for name, target in rules:
+        if name == "batch":
+            return [] if target is None else [target] if isinstance(target, str) else list(target)
+    return []

@@ -1,0 +1,64 @@
+"""Device mesh from the config, and logical-axis-name -> NamedSharding translation.
+
+This is the only module that names mesh axes. Everything else speaks logical names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxtrain.config import MESH_AXES, Config
+
+
+def num_slices(devices=None) -> int:
+    """Slices (TPU multislice) or, where devices carry no slice index, 1."""
+    devices = devices or jax.devices()
+    if hasattr(devices[0], "slice_index"):
+        return 1 + max(d.slice_index for d in devices)
+    return 1
+
+
+def make_mesh(config: Config, devices=None) -> Mesh:
+    devices = devices or jax.devices()
+    ici = [config.mesh_ici[a] for a in MESH_AXES]
+    dcn = [config.mesh_dcn[a] for a in MESH_AXES]
+    if config.num_slices > 1:
+        # Without slice indices (CPU, GPU clusters) each process is one granule of the hybrid mesh.
+        grid = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index"))
+    elif devices[0].platform in ("tpu", "gpu"):
+        grid = mesh_utils.create_device_mesh(ici, devices)  # topology-aware ordering
+    else:
+        grid = np.asarray(devices).reshape(ici)
+    return Mesh(grid, MESH_AXES)
+
+
+def axis_rules(config: Config) -> tuple:
+    """logical_axis_rules from YAML lists to the tuples flax expects."""
+    return tuple((name, tuple(t) if isinstance(t, list) else t) for name, t in config.logical_axis_rules)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: tuple):
+    """Mesh + logical rules in scope, so the model's logical constraints take effect under jit."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def logical_to_sharding(logical_specs, mesh: Mesh, rules: tuple):
+    """Tree of logical PartitionSpecs -> tree of NamedShardings."""
+    return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+
+
+def sharding_for(logical_axes: tuple, mesh: Mesh, rules: tuple) -> NamedSharding:
+    return logical_to_sharding(PartitionSpec(*logical_axes), mesh, rules)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

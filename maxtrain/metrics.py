@@ -1,0 +1,94 @@
+"""FLOPs accounting, MFU, and the metrics writers (stdout line, metrics.jsonl, tensorboardX)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.config import Config
+
+# Dense bf16 peak TFLOP/s per chip, matched by substring of jax's device_kind (most specific first).
+PEAK_TFLOPS = (
+    ("TPU v6 lite", 918.0), ("TPU v6e", 918.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
+    ("TPU v5p", 459.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0),
+    ("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L4", 121.0),
+)
+
+
+def forward_flops(c: Config, tokens: int, causal: bool = True) -> float:
+    """Matmul FLOPs of one forward pass over `tokens` tokens of length max_target_length (MaxText's
+    formula: 2 x multiply-adds of every projection, plus attention scores and context)."""
+    d, h, kv, hd, f = c.base_emb_dim, c.base_num_query_heads, c.base_num_kv_heads, c.head_dim, c.base_mlp_dim
+    per_token_layer = 2 * d * hd * (h + 2 * kv) + 2 * d * hd * h + 2 * 3 * d * f
+    attention = 4 * c.max_target_length * h * hd * (0.5 if causal else 1.0)  # QK^T and PV, per token
+    per_token = c.base_num_decoder_layers * (per_token_layer + attention) + 2 * d * c.vocab_size
+    return float(per_token * tokens)
+
+
+def train_flops_per_step(c: Config) -> float:
+    """Forward + backward (2x forward) for one optimizer step; remat recompute not counted."""
+    return 3.0 * forward_flops(c, c.global_batch_size * c.max_target_length)
+
+
+def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """Best float32 matmul rate of one device, a stand-in for a CPU's peak."""
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e12
+
+
+def peak_tflops_per_device(c: Config) -> float:
+    if c.peak_tflops_per_device > 0:
+        return c.peak_tflops_per_device
+    device = jax.devices()[0]
+    for name, peak in PEAK_TFLOPS:
+        if name in device.device_kind:
+            return peak
+    # Fake CPU devices share the same cores, so each gets an equal part of the measured rate.
+    return measure_cpu_peak_tflops() / jax.local_device_count()
+
+
+class MetricsWriter:
+    """One line to stdout per log, JSONL and tensorboardX under the run directory (process 0 only)."""
+
+    def __init__(self, run_dir: Path, enable_tensorboard: bool):
+        self.active = jax.process_index() == 0
+        self._jsonl = self._tb = None
+        if self.active:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(run_dir / "metrics.jsonl", "a")
+            if enable_tensorboard:
+                from tensorboardX import SummaryWriter
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
+        if not self.active:
+            return
+        self._jsonl.write(json.dumps({"step": step, **{f"{prefix}/{k}": v for k, v in scalars.items()}}) + "\n")
+        self._jsonl.flush()
+        if self._tb:
+            for k, v in scalars.items():
+                self._tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+
+
+def format_line(step: int, m: dict[str, float]) -> str:
+    return (f"step {step:>6d} | loss {m['loss']:.4f} | lr {m['learning_rate']:.3e} | "
+            f"grad_norm {m['grad_norm']:.3f} | {m['step_seconds']:.3f} s/step | "
+            f"{m['tokens_per_second']:,.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev | "
+            f"MFU {100 * m['mfu']:.1f}%")

@@ -1,0 +1,221 @@
+"""Llama-family decoder in Flax linen: RMSNorm, RoPE, GQA attention, SwiGLU, scanned layers.
+
+The model says nothing about devices: parameters and activations carry logical axis names
+(batch, length, embed, heads, kv_heads, head_dim, mlp, vocab, layers, norm) and the mesh rules in the
+config decide where each lives. Shape suffixes: B batch, L length, D embed, H query heads,
+N kv heads, G query heads per kv head, K head dim, F mlp, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from maxtrain import remat
+
+constrain = nn.with_logical_constraint
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    vocab: int
+    embed: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    layers: int
+    rope_theta: float
+    norm_eps: float
+    tied_embeddings: bool
+    dtype: Any
+    weight_dtype: Any
+    scan_layers: bool
+    remat_policy: str
+    attention: str
+
+    @classmethod
+    def from_config(cls, c) -> "ModelArgs":
+        return cls(
+            vocab=c.vocab_size, embed=c.base_emb_dim, heads=c.base_num_query_heads,
+            kv_heads=c.base_num_kv_heads, head_dim=c.head_dim, mlp=c.base_mlp_dim,
+            layers=c.base_num_decoder_layers, rope_theta=c.rope_theta,
+            norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
+            dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
+            scan_layers=c.scan_layers, remat_policy=c.remat_policy, attention=c.attention)
+
+
+def dense_init(fan_in_axes: tuple[int, ...]):
+    """LeCun-normal over the contracted axes, so every projection starts with unit-ish gain."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=fan_in_axes,
+                                            out_axis=-1)
+
+
+class RMSNorm(nn.Module):
+    args: ModelArgs
+
+    @nn.compact
+    def __call__(self, x_BxLxD):
+        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                             (self.args.embed,), self.args.weight_dtype)
+        x = x_BxLxD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.args.norm_eps)
+        return (x * scale_D.astype(jnp.float32)).astype(self.args.dtype)
+
+
+def rope(x_BxLxHxK, positions_BxL, theta: float):
+    """Rotary embedding, half-split layout (as HF Llama): rotate (x[:K/2], x[K/2:]) pairs."""
+    half = x_BxLxHxK.shape[-1] // 2
+    freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BxLx1xK2 = (positions_BxL[:, :, None, None] * freq_K2).astype(jnp.float32)
+    sin, cos = jnp.sin(angle_BxLx1xK2), jnp.cos(angle_BxLx1xK2)
+    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxK.dtype)
+
+
+def attention_mask(segment_ids_BxL):
+    """[B, 1, L, L] boolean: causal, and a token sees only its own document (segment)."""
+    length = segment_ids_BxL.shape[1]
+    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
+    same_doc_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    return (causal_LxL & same_doc_BxLxL)[:, None]
+
+
+def dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL):
+    """Plain XLA attention with GQA: each kv head serves G = H/N query heads; softmax in float32."""
+    b, length, h, k = q_BxLxHxK.shape
+    n = k_BxLxNxK.shape[2]
+    q_BxLxNxGxK = q_BxLxHxK.reshape(b, length, n, h // n, k)
+    scores_BxNxGxLxL = jnp.einsum("blngk,bmnk->bnglm", q_BxLxNxGxK, k_BxLxNxK,
+                                  preferred_element_type=jnp.float32) * k ** -0.5
+    scores_BxNxGxLxL = jnp.where(mask_Bx1xLxL[:, :, None], scores_BxNxGxLxL, -1e30)
+    probs = jax.nn.softmax(scores_BxNxGxLxL, axis=-1).astype(v_BxLxNxK.dtype)
+    ctx_BxLxNxGxK = jnp.einsum("bnglm,bmnk->blngk", probs, v_BxLxNxK)
+    return ctx_BxLxNxGxK.reshape(b, length, h, k)
+
+
+class Attention(nn.Module):
+    args: ModelArgs
+
+    def _proj(self, name, shape, axes, fan_in):
+        init = nn.with_logical_partitioning(dense_init(fan_in), axes)
+        return self.param(name, init, shape, self.args.weight_dtype).astype(self.args.dtype)
+
+    @nn.compact
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+        a = self.args
+        wq_DxHxK = self._proj("wq", (a.embed, a.heads, a.head_dim), ("embed", "heads", "head_dim"), (0,))
+        wk_DxNxK = self._proj("wk", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"), (0,))
+        wv_DxNxK = self._proj("wv", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"), (0,))
+        wo_HxKxD = self._proj("wo", (a.heads, a.head_dim, a.embed), ("heads", "head_dim", "embed"), (0, 1))
+
+        q = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK), remat.QUERY)
+        k = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BxLxD, wk_DxNxK), remat.KEY)
+        v = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BxLxD, wv_DxNxK), remat.VALUE)
+        q_BxLxHxK = constrain(rope(q, positions_BxL, a.rope_theta), ("batch", "length", "heads", "head_dim"))
+        k_BxLxNxK = constrain(rope(k, positions_BxL, a.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+
+        mask_Bx1xLxL = attention_mask(segment_ids_BxL)
+        if a.attention == "jax_nn":  # cuDNN flash attention on GPU where shapes allow, XLA elsewhere
+            ctx_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL)
+        else:
+            ctx_BxLxHxK = dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL)
+        ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)
+        return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT)
+
+
+class MLP(nn.Module):
+    args: ModelArgs
+
+    @nn.compact
+    def __call__(self, x_BxLxD):
+        a = self.args
+        def weight(name, shape, axes):
+            init = nn.with_logical_partitioning(dense_init((0,)), axes)
+            return self.param(name, init, shape, a.weight_dtype).astype(a.dtype)
+        gate_DxF = weight("wi_gate", (a.embed, a.mlp), ("embed", "mlp"))
+        up_DxF = weight("wi_up", (a.embed, a.mlp), ("embed", "mlp"))
+        down_FxD = weight("wo", (a.mlp, a.embed), ("mlp", "embed"))
+        gate_BxLxF = checkpoint_name(x_BxLxD @ gate_DxF, remat.MLP_IN)
+        up_BxLxF = checkpoint_name(x_BxLxD @ up_DxF, remat.MLP_IN)
+        h_BxLxF = constrain(nn.silu(gate_BxLxF) * up_BxLxF, ("batch", "length", "mlp"))
+        return checkpoint_name(h_BxLxF @ down_FxD, remat.MLP_OUT)
+
+
+class DecoderLayer(nn.Module):
+    args: ModelArgs
+
+    @nn.compact
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+        axes = ("batch", "length", "embed")
+        x_BxLxD = constrain(x_BxLxD, axes)
+        h = Attention(self.args, name="attention")(RMSNorm(self.args, name="attention_norm")(x_BxLxD),
+                                                   positions_BxL, segment_ids_BxL)
+        x_BxLxD = constrain(x_BxLxD + h, axes)
+        h = MLP(self.args, name="mlp")(RMSNorm(self.args, name="mlp_norm")(x_BxLxD))
+        return constrain(x_BxLxD + h, axes), None  # (carry, per-layer output) for nn.scan
+
+
+class Decoder(nn.Module):
+    args: ModelArgs
+
+    @nn.compact
+    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+        a = self.args
+        if positions_BxL is None:
+            positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
+        if segment_ids_BxL is None:
+            segment_ids_BxL = jnp.ones_like(tokens_BxL)
+
+        embed_init = nn.with_logical_partitioning(nn.initializers.normal(a.embed ** -0.5), ("vocab", "embed"))
+        embedding_VxD = self.param("embedding", embed_init, (a.vocab, a.embed), a.weight_dtype)
+        x_BxLxD = constrain(jnp.take(embedding_VxD, tokens_BxL, axis=0).astype(a.dtype),
+                            ("batch", "length", "embed"))
+
+        layer = DecoderLayer
+        policy = remat.POLICIES[a.remat_policy]
+        if a.remat_policy != "none":
+            layer = nn.remat(layer, policy=policy, prevent_cse=not a.scan_layers)
+        if a.scan_layers:
+            stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, nn.broadcast), length=a.layers,
+                            metadata_params={nn.PARTITION_NAME: "layers"})
+            x_BxLxD, _ = stack(a, name="layers")(x_BxLxD, positions_BxL, segment_ids_BxL)
+        else:
+            for i in range(a.layers):
+                x_BxLxD, _ = layer(a, name=f"layers_{i}")(x_BxLxD, positions_BxL, segment_ids_BxL)
+
+        x_BxLxD = RMSNorm(a, name="final_norm")(x_BxLxD)
+        if a.tied_embeddings:
+            out_DxV = embedding_VxD.T
+        else:
+            out_init = nn.with_logical_partitioning(dense_init((0,)), ("embed", "vocab"))
+            out_DxV = self.param("output", out_init, (a.embed, a.vocab), a.weight_dtype)
+        # Matmul in the compute dtype, accumulated and returned in float32.
+        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV.astype(a.dtype),
+                                  preferred_element_type=jnp.float32)
+        return constrain(logits_BxLxV, ("batch", "length", "vocab"))
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """Scanned params ({'layers': stacked}) -> unrolled layout ({'layers_0': ..., ...})."""
+    params = dict(params)
+    stacked = params.pop("layers")
+    for i in range(num_layers):
+        params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """Unrolled layout -> scanned layout with a leading `layers` axis."""
+    params = dict(params)
+    layers = [params.pop(f"layers_{i}") for i in range(num_layers)]
+    params["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return params

@@ -1,0 +1,129 @@
+"""Train state, loss, sharded init and the jitted train step.
+
+`build(config, mesh)` returns everything the loop needs: the model, the state's shardings, a jitted
+init that creates parameters and optimizer state directly in their shards, and a jitted train step
+with explicit in/out shardings and donated state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from maxtrain import mesh as mesh_lib
+from maxtrain.config import Config
+from maxtrain.model import Decoder, ModelArgs
+from maxtrain.optimizer import learning_rate_schedule, make_optimizer
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0):
+    """Summed masked cross-entropy (+ optional z-loss) and the number of target tokens.
+
+    Sums, not means, so micro-batches add up to exactly the large-batch loss; the caller divides.
+    """
+    logits_BxLxV = model.apply({"params": params}, batch["inputs"], batch.get("positions"),
+                               batch.get("segment_ids"))
+    log_z_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, batch["targets"][..., None], axis=-1)[..., 0]
+    weights_BxL = batch["weights"].astype(jnp.float32)
+    ce_sum = jnp.sum((log_z_BxL - target_logit_BxL) * weights_BxL)
+    total = ce_sum + z_loss_multiplier * jnp.sum(jnp.square(log_z_BxL) * weights_BxL)
+    return total, {"loss_sum": ce_sum, "tokens": jnp.sum(weights_BxL)}
+
+
+@dataclasses.dataclass
+class Trainer:
+    model: Decoder
+    optimizer: optax.GradientTransformation
+    mesh: Any
+    rules: tuple
+    state_shardings: TrainState
+    param_logical_specs: Any
+    batch_sharding: NamedSharding
+    init: Callable[[jax.Array], TrainState]
+    train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+    abstract_state: TrainState
+
+
+def build(c: Config, mesh) -> Trainer:
+    model = Decoder(ModelArgs.from_config(c))
+    tx = make_optimizer(c)
+    rules = mesh_lib.axis_rules(c)
+    dummy_tokens = jnp.zeros((1, c.max_target_length), jnp.int32)
+
+    def init_state(rng) -> TrainState:
+        params = nn.meta.unbox(model.init(rng, dummy_tokens)["params"])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    rng = jax.random.key(c.init_weights_seed)
+    boxed = jax.eval_shape(model.init, rng, dummy_tokens)["params"]
+    param_specs = nn.get_partition_spec(boxed)
+    param_shardings = mesh_lib.logical_to_sharding(param_specs, mesh, rules)
+    abstract = jax.eval_shape(init_state, rng)
+    replicated = mesh_lib.replicated(mesh)
+    # Optimizer moments are shaped like the params and sharded like them; counters are replicated.
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
+        transform_non_params=lambda _: replicated)
+    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
+    batch_sharding = mesh_lib.sharding_for(("batch", "length"), mesh, rules)
+    init = jax.jit(init_state, out_shardings=state_shardings)
+    step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
+    train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
+                         out_shardings=(state_shardings, replicated), donate_argnums=0)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, state_shardings)
+    return Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
+                   train_step, abstract)
+
+
+def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
+    accum = c.gradient_accumulation_steps
+    schedule = learning_rate_schedule(c)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    micro_sharding = NamedSharding(mesh, PartitionSpec(None, *batch_sharding.spec))
+
+    def micro_batches(batch):
+        # Row r goes to micro-batch r % accum, so every device holds a slice of every micro-batch.
+        def split(x_BxL):
+            x = x_BxL.reshape(x_BxL.shape[0] // accum, accum, *x_BxL.shape[1:]).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x, micro_sharding)
+        return jax.tree.map(split, batch)
+
+    def step(state: TrainState, batch: dict):
+        if accum == 1:
+            (_, aux), grads = grad_fn(state.params, model, batch, c.z_loss_multiplier)
+        else:
+            def body(carry, micro):
+                (_, aux), g = grad_fn(state.params, model, micro, c.z_loss_multiplier)
+                g = jax.lax.with_sharding_constraint(g, param_shardings)
+                return jax.tree.map(jnp.add, carry, (g, aux)), None
+            zeros = (jax.tree.map(jnp.zeros_like, state.params),
+                     {"loss_sum": jnp.zeros(()), "tokens": jnp.zeros(())})
+            (grads, aux), _ = jax.lax.scan(body, zeros, micro_batches(batch))
+        tokens = jnp.maximum(aux["tokens"], 1.0)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": aux["loss_sum"] / tokens, "grad_norm": optax.global_norm(grads),
+                   "learning_rate": schedule(state.step), "tokens": aux["tokens"]}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return step
