@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxtrain import mesh as mesh_lib
 from maxtrain.config import Config
 from maxtrain.model import Decoder, ModelArgs
-from maxtrain.optimizer import learning_rate_schedule, make_optimizer
+from maxtrain.optimizer import learning_rate_schedule, make_optimizer  # noqa: F401 (re-export)
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
 
@@ -122,7 +122,7 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
         grads = jax.tree.map(lambda g: g / tokens, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": aux["loss_sum"] / tokens, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": aux["loss_sum"] / tokens, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state.step), "tokens": aux["tokens"]}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

@@ -16,9 +16,10 @@ from maxtrain import config as config_lib
 from maxtrain import data, mesh as mesh_lib, metrics as metrics_lib, step as step_lib, summary
 
 
-def load_config(argv: list[str]) -> config_lib.Config:
+def load_config(argv: list[str], devices=None) -> config_lib.Config:
+    devices = devices or jax.devices()
     c = config_lib.load(argv)
-    return config_lib.with_devices(c, jax.device_count(), mesh_lib.num_slices())
+    return config_lib.with_devices(c, len(devices), mesh_lib.num_slices(devices))
 
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
@@ -31,8 +32,9 @@ def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
     print("train step memory per device:", summary.format_memory(summary.memory_report(compiled)))
 
 
-def train(c: config_lib.Config) -> dict:
-    mesh = mesh_lib.make_mesh(c)
+def train(c: config_lib.Config, devices=None) -> dict:
+    """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
+    mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
     print(f"maxtrain: {c.num_params:,} parameters | mesh {c.mesh_shape} | global batch "
           f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | {c.dtype}")

@@ -1,0 +1,38 @@
+"""Every test sees 8 fake CPU devices, so each sharding path runs without accelerators."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+TESTS = Path(__file__).parent
+TINY = str(TESTS / "configs" / "tiny.yml")
+
+
+@pytest.fixture
+def tiny_config():
+    """tiny_config(*overrides, devices=None) -> Config resolved for those devices."""
+    from maxtrain import train
+
+    def make(*overrides, devices=None):
+        return train.load_config([TINY, *overrides], devices)
+    return make
+
+
+@pytest.fixture
+def train_tiny(tmp_path):
+    """train_tiny(*overrides, n_devices=8) trains the tiny config in-process on the first n_devices
+    devices, writing under tmp_path; returns train()'s result (per-step losses, final state)."""
+    from maxtrain import train
+
+    def run(*overrides, n_devices=8):
+        devices = jax.devices()[:n_devices]
+        c = train.load_config([TINY, f"base_output_directory={tmp_path}", *overrides], devices)
+        return train.train(c, devices)
+    return run

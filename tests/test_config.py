@@ -1,0 +1,198 @@
+"""Config loading: layering, typed overrides, and one clear error per user mistake."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from maxtrain import config
+from maxtrain.config import ConfigError
+
+from conftest import TINY
+
+BASE = str(config.BASE_YML)
+
+
+def error_of(argv, devices=8, slices=1):
+    with pytest.raises(ConfigError) as e:
+        config.with_devices(config.load(argv), devices, slices)
+    return e.value
+
+
+def test_defaults_load_and_are_frozen():
+    c = config.with_devices(config.load([BASE]), 1)
+    assert c.steps == 200 and c.remat_policy == "full"
+    assert c.mesh_shape == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert c.global_batch_size == 4
+    with pytest.raises(AttributeError):
+        c.steps = 3
+
+
+def test_base_config_chain_and_command_line_precedence(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.yml").write_text(f"base_config: {BASE}\nsteps: 7\nlearning_rate: 0.5\n")
+    (tmp_path / "sub" / "b.yml").write_text("base_config: ../a.yml\nsteps: 9\n")
+    c = config.load([str(tmp_path / "sub" / "b.yml"), "learning_rate=0.25"])
+    assert c.steps == 9            # child file wins over parent
+    assert c.learning_rate == 0.25  # command line wins over files
+    assert c.vocab_size == 2048     # untouched default from base.yml
+
+
+def test_override_types_follow_defaults():
+    c = config.load([BASE, "steps=12", "learning_rate=1e-4", "scan_layers=false",
+                     "per_device_batch_size=2", 'logical_axis_rules=[["batch", "data"]]'])
+    assert c.steps == 12 and isinstance(c.steps, int)
+    assert c.learning_rate == 1e-4
+    assert c.scan_layers is False
+    assert c.per_device_batch_size == 2.0
+    assert c.logical_axis_rules == [["batch", "data"]]
+
+
+def test_learning_rate_schedule_steps_defaults_to_steps():
+    assert config.load([BASE, "steps=33"]).learning_rate_schedule_steps == 33
+
+
+def test_unknown_key_suggests_closest():
+    e = error_of([BASE, "learning_rte=0.1"])
+    assert e.key == "learning_rte" and "did you mean learning_rate" in str(e)
+
+
+def test_unknown_key_in_file(tmp_path):
+    (tmp_path / "x.yml").write_text("base_emb_dims: 8\n")
+    e = error_of([str(tmp_path / "x.yml")])
+    assert e.key == "base_emb_dims" and "base_emb_dim" in str(e)
+
+
+@pytest.mark.parametrize("arg,key", [("steps=ten", "steps"), ("steps=2.5", "steps"),
+                                      ("learning_rate=fast", "learning_rate"),
+                                      ("scan_layers=maybe", "scan_layers")])
+def test_wrong_type_on_command_line(arg, key):
+    assert error_of([BASE, arg]).key == key
+
+
+def test_wrong_type_in_file(tmp_path):
+    (tmp_path / "x.yml").write_text("steps: 1.5\n")
+    e = error_of([str(tmp_path / "x.yml")])
+    assert e.key == "steps" and "expected int" in str(e)
+
+
+@pytest.mark.parametrize("key,value", [("remat_policy", "sometimes"), ("dtype", "float16"),
+                                        ("weight_dtype", "int8"), ("dataset_type", "csv"),
+                                        ("learning_rate_schedule", "step"), ("attention", "flash")])
+def test_value_outside_allowed_set(key, value):
+    e = error_of([BASE, f"{key}={value}"])
+    assert e.key == key and "not one of" in str(e)
+
+
+@pytest.mark.parametrize("key", ["base_emb_dim", "base_num_decoder_layers", "vocab_size", "steps",
+                                 "max_target_length", "head_dim"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_zero_or_negative_sizes(key, value):
+    assert error_of([BASE, f"{key}={value}"]).key == key
+
+
+def test_negative_batch_size():
+    assert error_of([BASE, "per_device_batch_size=-1"]).key == "per_device_batch_size"
+
+
+def test_mesh_product_must_match_devices():
+    e = error_of([BASE, "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], devices=8)
+    assert "product 4" in str(e) and "8 devices" in str(e)
+
+
+def test_fill_axis_must_divide():
+    e = error_of([BASE, "ici_tensor_parallelism=3"], devices=8)
+    assert e.key == "ici_fsdp_parallelism" and "cannot fill" in str(e)
+
+
+def test_only_one_fill_axis_per_group():
+    e = error_of([BASE, "ici_data_parallelism=-1"])
+    assert "at most one" in str(e)
+
+
+def test_fill_resolves_mesh():
+    c = config.with_devices(config.load([BASE, "ici_tensor_parallelism=2"]), 8)
+    assert c.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 2}
+
+
+def test_dcn_product_must_match_slices():
+    e = error_of([BASE, "dcn_data_parallelism=4", "ici_fsdp_parallelism=4"], devices=8, slices=2)
+    assert "2 slices" in str(e)
+
+
+def test_heads_divisible_by_kv_heads():
+    e = error_of([BASE, "base_num_query_heads=6", "base_num_kv_heads=4"])
+    assert e.key == "base_num_kv_heads"
+
+
+def test_heads_divisible_by_tensor_axis():
+    e = error_of([BASE, "base_num_query_heads=4", "base_num_kv_heads=4", "ici_tensor_parallelism=8"])
+    assert e.key == "base_num_query_heads" and "tensor axis (8)" in str(e)
+
+
+def test_kv_heads_divisible_by_tensor_axis():
+    e = error_of([BASE, "base_num_query_heads=8", "base_num_kv_heads=2", "ici_tensor_parallelism=4",
+                  "ici_fsdp_parallelism=2"])
+    assert e.key == "base_num_kv_heads"
+
+
+def test_global_batch_divisible_by_batch_shards():
+    e = error_of([BASE, "per_device_batch_size=0.5"], devices=8)  # batch 4 over 8 fsdp shards
+    assert e.key == "per_device_batch_size" and "8 batch shards" in str(e)
+
+
+def test_fractional_batch_allowed_when_divisible():
+    c = config.with_devices(config.load([BASE, "per_device_batch_size=0.5", "ici_fsdp_parallelism=4",
+                                         "ici_tensor_parallelism=2"]), 8)
+    assert c.global_batch_size == 4
+
+
+def test_gradient_accumulation_must_divide_batch():
+    e = error_of([BASE, "per_device_batch_size=1", "gradient_accumulation_steps=3"], devices=8)
+    assert e.key == "per_device_batch_size" and "3 micro-batches" in str(e)
+
+
+def test_bad_axis_rules():
+    assert error_of([BASE, 'logical_axis_rules=[["batch", "pipeline"]]']).key == "logical_axis_rules"
+    assert error_of([BASE, 'logical_axis_rules=[["batch"]]']).key == "logical_axis_rules"
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    assert "cannot read" in str(error_of([str(tmp_path / "nope.yml")]))
+    (tmp_path / "bad.yml").write_text("steps: [1,\n")
+    assert "not valid YAML" in str(error_of([str(tmp_path / "bad.yml")]))
+
+
+def test_argument_without_equals():
+    assert "expected key=value" in str(error_of([BASE, "steps"]))
+
+
+def test_model_preset_applies_below_command_line():
+    c = config.load([BASE, "model_name=llama2-7b", "base_num_decoder_layers=2"])
+    assert c.base_emb_dim == 4096 and c.base_num_decoder_layers == 2
+
+
+def test_unknown_model_preset():
+    e = error_of([BASE, "model_name=gpt5"])
+    assert e.key == "model_name" and "llama2-7b" in str(e)
+
+
+def test_cli_prints_one_line_exits_2_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "maxtrain.train", TINY, "remat_policy=bogus", f"base_output_directory={out}"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [lines[0]] and lines[0].startswith("config error: remat_policy:")
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_cli_mesh_error_exits_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "maxtrain.train", TINY, "ici_fsdp_parallelism=3",
+         f"base_output_directory={tmp_path}"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("config error: ici_*_parallelism:")
+    assert "product 3" in proc.stderr
