@@ -36,7 +36,7 @@ def test_base_config_chain_and_command_line_precedence(tmp_path):
     c = config.load([str(tmp_path / "sub" / "b.yml"), "learning_rate=0.25"])
     assert c.steps == 9            # child file wins over parent
     assert c.learning_rate == 0.25  # command line wins over files
-    assert c.vocab_size == 2048     # untouched default from base.yml
+    assert c.vocab_size == 512      # untouched default from base.yml
 
 
 def test_override_types_follow_defaults():

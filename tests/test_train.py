@@ -1,0 +1,65 @@
+"""End to end through the CLI, as a user runs it, plus the golden loss curve."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TINY, TESTS
+
+REPO = TESTS.parent
+# Same machine type in CI: the curve reproduces to ~1e-6; 2e-3 absolute allows other CPU kernels.
+GOLDEN_ATOL = 2e-3
+
+
+def run_cli(*args, devices=8, timeout=600):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, "-m", "maxtrain.train", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def test_golden_loss_curve():
+    sys.path.insert(0, str(TESTS / "golden"))
+    from regenerate import golden_losses
+    golden = json.loads((TESTS / "golden" / "tiny_losses.json").read_text())["losses"]
+    losses = golden_losses()
+    assert len(losses) == len(golden) == 20
+    np.testing.assert_allclose(losses, golden, atol=GOLDEN_ATOL)
+
+
+@pytest.mark.slow
+def test_cli_trains_and_writes_metrics(tmp_path):
+    proc = run_cli(TINY, "run_name=cli", f"base_output_directory={tmp_path}", "steps=12", "log_period=4",
+                   "enable_tensorboard=true", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MFU" in proc.stdout and "done: 12 steps" in proc.stdout
+    run = tmp_path / "cli"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 8, 12]
+    assert {"train/loss", "train/mfu", "train/tokens_per_second", "train/grad_norm"} <= set(rows[0])
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert "ici_fsdp_parallelism: 4" in (run / "config.yml").read_text()
+
+
+@pytest.mark.slow
+def test_dry_run_prints_parameter_table_and_memory(tmp_path):
+    proc = run_cli(TINY, f"base_output_directory={tmp_path}", "dry_run=true", "ici_tensor_parallelism=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "layers/mlp/wi_gate" in proc.stdout and "('layers', 'embed', 'mlp')" in proc.stdout
+    assert "total parameters:" in proc.stdout and "temporaries" in proc.stdout
+    assert not (tmp_path / "tiny").exists()  # a dry run trains nothing and writes nothing
+
+
+@pytest.mark.slow
+def test_readme_quickstart_commands(tmp_path):
+    """The README's first training command on the embedded default config, shortened to 20 steps."""
+    proc = run_cli("configs/base.yml", "run_name=demo", "steps=20", f"base_output_directory={tmp_path}",
+                   devices=1)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [json.loads(x)["train/loss"] for x in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0]
