@@ -239,6 +239,11 @@ def _validate(c: dict[str, Any]) -> None:
         raise ConfigError("rope_theta", "must be > 0")
     if c["learning_rate_schedule_steps"] == 0 or c["learning_rate_schedule_steps"] < -1:
         raise ConfigError("learning_rate_schedule_steps", "must be -1 (= steps) or positive")
+    for key in ("checkpoint_period", "max_num_checkpoints_to_keep"):
+        if c[key] < (1 if key == "checkpoint_period" else 0):
+            raise ConfigError(key, "must be a positive integer" if key == "checkpoint_period" else "must be >= 0")
+    if c["load_full_state_path"] and c["load_parameters_path"]:
+        raise ConfigError("load_parameters_path", "set either load_full_state_path or load_parameters_path, not both")
     if not c["run_name"] or "/" in c["run_name"]:
         raise ConfigError("run_name", "must be a non-empty name without '/'")
     for group in ("ici", "dcn"):

@@ -1,0 +1,145 @@
+"""Orbax checkpoints: train state, data-iterator state and model shape, saved together, async.
+
+Layout: base_output_directory/run_name/checkpoints/<step>/{state,data,model}. Orbax writes each step
+into a temporary directory and renames it when complete, so a save cut short by a kill is never
+listed as a step; we warn about such leftovers and resume from the latest complete step.
+
+Start-up order (as MaxText): resume this run's latest checkpoint; else load_full_state_path;
+else load_parameters_path (fresh optimizer); else fresh init.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from maxtrain.config import MODEL_KEYS, Config
+
+log = logging.getLogger("maxtrain")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the CLI prints it as one line and exits 2."""
+
+
+def model_signature(c: Config) -> dict[str, Any]:
+    return {k: c[k] for k in MODEL_KEYS} | {"scan_layers": c.scan_layers}
+
+
+def check_model(saved: dict[str, Any], c: Config, where: str) -> None:
+    ours = model_signature(c)
+    diff = [f"{k} (checkpoint {saved.get(k)!r}, config {ours[k]!r})" for k in ours if saved.get(k) != ours[k]]
+    if diff:
+        raise CheckpointError(f"{where}: model shape differs: {'; '.join(diff)}")
+
+
+def incomplete_steps(directory: Path) -> list[Path]:
+    """Leftovers of saves that never finished (Orbax's temporary step directories)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+
+class Checkpointer:
+    def __init__(self, c: Config):
+        self.config = c
+        self.directory = Path(c.base_output_directory).absolute() / c.run_name / "checkpoints"
+        for leftover in incomplete_steps(self.directory):
+            log.warning("ignoring incomplete checkpoint %s (a save was interrupted)", leftover)
+            print(f"warning: ignoring incomplete checkpoint {leftover.name} (a save was interrupted)")
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=c.checkpoint_period,
+            max_to_keep=c.max_num_checkpoints_to_keep or None,
+            enable_async_checkpointing=c.async_checkpointing,
+            cleanup_tmp_directories=True,
+            create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_names=("state", "data", "model"))
+
+    def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
+        """Starts a save if `step` is due (or forced); returns once device buffers are copied."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=ocp.args.JsonSave(data_state),
+                                  model=ocp.args.JsonSave(model_signature(self.config)))
+        return self.manager.save(step, args=args, force=force)
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every process once JAX's preemption notifier fired (multi-process runs)."""
+        return self.manager.reached_preemption(step)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def restore(self, abstract_state) -> tuple[Any, dict] | None:
+        """Resume this run from its latest complete step, or return None if it has none."""
+        step = self.latest_step()
+        if step is None:
+            return None
+        where = str(self.directory / str(step))
+        saved_model = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
+        check_model(saved_model, self.config, where)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        return restored["state"], restored["data"]
+
+
+def _step_dir(path: str, key: str) -> Path:
+    p = Path(path).absolute()
+    if not (p / "state").is_dir():
+        raise CheckpointError(f"{key}: {p} is not a maxtrain checkpoint step directory "
+                              f"(expected {p}/state; e.g. <run>/checkpoints/<step>)")
+    if (p / "model").is_dir():
+        return p
+    raise CheckpointError(f"{key}: {p} has no model description (expected {p}/model)")
+
+
+def _read_model(p: Path) -> dict:
+    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(p / "model")
+
+
+def load_full_state(c: Config, abstract_state):
+    """State (params, optimizer, step) from another run's checkpoint step directory."""
+    p = _step_dir(c.load_full_state_path, "load_full_state_path")
+    check_model(_read_model(p), c, str(p))
+    try:
+        return ocp.StandardCheckpointer().restore(p / "state", abstract_state)
+    except Exception as e:  # Orbax raises many types for unreadable data
+        raise CheckpointError(f"load_full_state_path: cannot restore {p}/state: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def load_parameters(c: Config, abstract_params):
+    """Parameters only (from a full-state or a parameters-only checkpoint); optimizer starts fresh."""
+    p = _step_dir(c.load_parameters_path, "load_parameters_path")
+    check_model(_read_model(p), c, str(p))
+    target = {"params": abstract_params}
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                               dtype=x.dtype), target)
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            p / "state", args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                     partial_restore=True))
+    except Exception as e:
+        raise CheckpointError(f"load_parameters_path: cannot restore {p}/state: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    return restored["params"]
+
+
+def save_parameters(path: str | Path, params, c: Config) -> None:
+    """A parameters-only checkpoint step directory that load_parameters_path accepts."""
+    p = Path(path).absolute()
+    with ocp.StandardCheckpointer() as saver:
+        saver.save(p / "state", {"params": params})
+        saver.wait_until_finished()
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(p / "model", model_signature(c))

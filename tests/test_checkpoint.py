@@ -1,0 +1,166 @@
+"""Checkpoints: exact resume, restore across meshes, SIGTERM, kill -9 at random moments, bad paths."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from conftest import TINY, TESTS
+
+CKPT = ("enable_checkpointing=true", "learning_rate_schedule_steps=20")
+FSDP8 = ("ici_fsdp_parallelism=8",)
+
+
+def params_equal_bitwise(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_exact_resume_matches_straight_run(train_tiny):
+    straight = train_tiny(*CKPT, *FSDP8, "run_name=straight", "steps=20")
+    first = train_tiny(*CKPT, *FSDP8, "run_name=resumed", "steps=10", "checkpoint_period=5")
+    assert first["losses"] == straight["losses"][:10]
+    resumed = train_tiny(*CKPT, *FSDP8, "run_name=resumed", "steps=20", "checkpoint_period=5")
+    assert int(resumed["state"].step) == 20
+    assert resumed["losses"] == straight["losses"][10:]  # identical, not merely close
+    assert params_equal_bitwise(resumed["state"].params, straight["state"].params)
+    assert params_equal_bitwise(resumed["state"].opt_state, straight["state"].opt_state)
+
+
+def test_restore_onto_a_different_mesh(train_tiny):
+    straight = train_tiny(*CKPT, *FSDP8, "run_name=a", "steps=12")
+    train_tiny(*CKPT, *FSDP8, "run_name=b", "steps=10")
+    other_mesh = train_tiny(*CKPT, "run_name=b", "steps=12", "ici_data_parallelism=2", "ici_fsdp_parallelism=4")
+    # Different collectives sum in a different order: equal to float32 rounding (stated rtol 1e-5).
+    np.testing.assert_allclose(other_mesh["losses"], straight["losses"][10:], rtol=1e-5)
+
+
+def test_restore_on_one_device_from_eight(train_tiny):
+    train_tiny(*CKPT, *FSDP8, "run_name=c", "steps=10")
+    single = train_tiny(*CKPT, "run_name=c", "steps=11", "per_device_batch_size=8", n_devices=1)
+    assert len(single["losses"]) == 1 and np.isfinite(single["losses"][0])
+
+
+def test_load_parameters_path_starts_a_fresh_optimizer(train_tiny, tmp_path):
+    src = train_tiny(*CKPT, "run_name=src", "steps=10")
+    fresh = train_tiny("run_name=dst", "steps=1", f"load_parameters_path={tmp_path}/src/checkpoints/10")
+    assert int(fresh["state"].step) == 1
+    # One step from the loaded params: the first loss is the loss of the source's final params.
+    cont = train_tiny("run_name=dst2", "steps=11", f"load_full_state_path={tmp_path}/src/checkpoints/10",
+                      "learning_rate_schedule_steps=20")
+    assert int(cont["state"].step) == 11
+    np.testing.assert_allclose(fresh["losses"][0], cont["losses"][0], rtol=1e-6)
+    assert fresh["losses"][0] < src["losses"][0]
+
+
+# ---- through the CLI, as a user (or a preempted job) runs it ------------------------------------
+
+def cli(*args, out):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return subprocess.Popen([sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={out}",
+                             "enable_checkpointing=true", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS.parent)
+
+
+def finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def saved_params(step_dir: Path):
+    return ocp.PyTreeCheckpointer().restore(step_dir / "state")["params"]
+
+
+def wait_for_line(proc, text, timeout=120):
+    deadline = time.time() + timeout
+    lines = []
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"{text!r} not seen in {lines}")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+    proc = cli("steps=100000", "checkpoint_period=100000", "log_period=1", out=tmp_path)
+    wait_for_line(proc, "step      3 |")
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == 0, err[-2000:]
+    line = [x for x in out.splitlines() if "stopped by SIGTERM" in x][0]
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert "checkpoint saved" in line and (tmp_path / "tiny" / "checkpoints" / str(step) / "state").is_dir()
+    code, out, err = finish(cli(f"steps={step + 2}", "log_period=1", out=tmp_path))
+    assert code == 0, err[-2000:]
+    assert f"resumed from {tmp_path}/tiny/checkpoints/{step}" in out and f"step {step + 2:>6d} |" in out
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_resumes_to_the_same_params(tmp_path):
+    args = ("steps=24", "checkpoint_period=2", "log_period=1", "max_num_checkpoints_to_keep=2")
+    code, _, err = finish(cli(*args, "run_name=reference", out=tmp_path))
+    assert code == 0, err[-2000:]
+    rng = random.Random(0)
+    kills = 0
+    for attempt in range(8):
+        proc = cli(*args, "run_name=killed", out=tmp_path)
+        if kills < 3:
+            wait_for_line(proc, "first step")
+            time.sleep(rng.uniform(0.0, 1.5))  # somewhere in training, often mid async save
+            if proc.poll() is None:
+                proc.kill()
+                kills += 1
+            finish(proc)
+            continue
+        code, out, err = finish(proc)
+        assert code == 0, err[-2000:]
+        break
+    assert kills == 3
+    ckpts = tmp_path / "killed" / "checkpoints"
+    assert params_equal_bitwise(saved_params(ckpts / "24"), saved_params(tmp_path / "reference" / "checkpoints" / "24"))
+
+
+@pytest.mark.slow
+def test_interrupted_save_is_skipped_with_a_warning(tmp_path):
+    code, _, err = finish(cli("steps=4", "checkpoint_period=2", out=tmp_path))
+    assert code == 0, err[-2000:]
+    ckpts = tmp_path / "tiny" / "checkpoints"
+    # What a kill during the save of step 6 leaves: a temporary directory with part of the files.
+    partial = ckpts / "6.orbax-checkpoint-tmp-1700000000"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "garbage").write_bytes(b"\0" * 100)
+    code, out, err = finish(cli("steps=6", "checkpoint_period=2", "log_period=1", out=tmp_path))
+    assert code == 0, err[-2000:]
+    assert "ignoring incomplete checkpoint 6.orbax-checkpoint-tmp" in out
+    assert f"resumed from {ckpts}/4" in out and (ckpts / "6" / "state").is_dir()
+
+
+@pytest.mark.slow
+def test_bad_checkpoints_give_one_line_and_exit_2(tmp_path):
+    code, _, err = finish(cli("steps=2", out=tmp_path))
+    assert code == 0, err[-2000:]
+    # A different model shape under the same run name.
+    code, out, err = finish(cli("steps=4", "base_emb_dim=32", out=tmp_path))
+    assert code == 2 and err.strip().startswith("checkpoint error:") and "base_emb_dim (checkpoint 64, config 32)" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # A path that does not exist.
+    code, out, err = finish(cli("run_name=x", f"load_parameters_path={tmp_path}/nope", out=tmp_path))
+    assert code == 2 and "load_parameters_path:" in err and "Traceback" not in err
+    # A corrupt checkpoint: state files overwritten with junk.
+    step = tmp_path / "tiny" / "checkpoints" / "2"
+    for f in (step / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"junk")
+    code, out, err = finish(cli("run_name=y", f"load_full_state_path={step}", out=tmp_path))
+    assert code == 2 and err.strip().startswith("checkpoint error: load_full_state_path:"), err[-2000:]
+    assert "Traceback" not in err
