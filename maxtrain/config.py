@@ -32,13 +32,16 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "weight_dtype": DTYPES,
     "mu_dtype": DTYPES,
     "learning_rate_schedule": ("cosine", "linear", "constant"),
-    "dataset_type": ("synthetic",),
+    "dataset_type": ("synthetic", "text", "parquet", "array_record"),
+    "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
     "attention": ("dot_product", "jax_nn"),
+    "distributed_init": ("auto", "true", "false"),
 }
 POSITIVE_INTS = (
     "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
     "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_num_decoder_layers",
-    "max_target_length", "gradient_accumulation_steps",
+    "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
+    "distributed_heartbeat_timeout_seconds",
 )
 
 
@@ -242,6 +245,14 @@ def _validate(c: dict[str, Any]) -> None:
     for key in ("checkpoint_period", "max_num_checkpoints_to_keep"):
         if c[key] < (1 if key == "checkpoint_period" else 0):
             raise ConfigError(key, "must be a positive integer" if key == "checkpoint_period" else "must be >= 0")
+    if not 0 <= c["eval_split_fraction"] < 1:
+        raise ConfigError("eval_split_fraction", "must be in [0, 1)")
+    if c["eval_interval"] < 0 or c["grain_worker_count"] < 0:
+        raise ConfigError("eval_interval" if c["eval_interval"] < 0 else "grain_worker_count", "must be >= 0")
+    if c["num_epochs"] == 0 or c["num_epochs"] < -1:
+        raise ConfigError("num_epochs", "must be positive or -1 (repeat)")
+    if c["dataset_type"] != "synthetic" and not c["train_files"]:
+        raise ConfigError("train_files", f"dataset_type={c['dataset_type']} needs train_files (comma-separated globs)")
     if c["load_full_state_path"] and c["load_parameters_path"]:
         raise ConfigError("load_parameters_path", "set either load_full_state_path or load_parameters_path, not both")
     if not c["run_name"] or "/" in c["run_name"]:

@@ -1,18 +1,35 @@
 """Input pipelines. Each yields global batches: dicts of [global_batch, max_target_length] arrays
 (inputs, targets, positions, segment_ids, weights) laid out with the config's batch sharding.
 
-Iterators expose `get_state()` / `set_state()` so checkpoints can hold the data position.
+Real data: files -> documents -> this process's share -> shuffle (per epoch) -> tokenize ->
+pack (grain concat-then-split: documents continue into the next row, segment ids and per-document
+positions mark the boundaries) or pad -> batch -> global jax.Array. Iterators expose
+`get_state()` / `set_state()` (plain JSON) so checkpoints hold the exact data position.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
+import json
+from pathlib import Path
 
+import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
+from grain import experimental as grain_exp
 
-from maxtrain.config import Config
+from maxtrain.config import Config, ConfigError
+from maxtrain.tokenizer import Tokenizer, make_tokenizer
 
+
+class DataError(RuntimeError):
+    """A data file that is missing or unreadable; the message names the file."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic data
 
 SYNTHETIC_MAX_STEP = 4  # the best achievable loss on synthetic data is ln(4) = 1.386
 
@@ -62,7 +79,197 @@ class SyntheticIterator:
         self.step = int(state["step"])
 
 
-def make_iterator(c: Config, batch_sharding):
+# ---------------------------------------------------------------------------------------------
+# Documents from files
+
+
+def expand_files(patterns: str, key: str) -> list[str]:
+    """Comma-separated globs -> sorted file list (the same on every process)."""
+    files = []
+    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+        matched = sorted(glob.glob(pattern, recursive=True))
+        if not matched:
+            raise ConfigError(key, f"no file matches {pattern!r}")
+        files.extend(matched)
+    if not files:
+        raise ConfigError(key, "is empty; name the files to read (comma-separated globs)")
+    return files
+
+
+def _read_text_file(path: str, text_field: str) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read as UTF-8 text: {e}") from None
+    if path.endswith(".jsonl"):
+        docs = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append(json.loads(line)[text_field])
+            except (json.JSONDecodeError, TypeError):
+                raise DataError(f"{path}: line {number} is not a JSON object") from None
+            except KeyError:
+                raise DataError(f"{path}: line {number} has no field {text_field!r} (text_field)") from None
+        return docs
+    # Plain text: documents are separated by blank lines.
+    return [d.strip("\n") for d in text.split("\n\n") if d.strip()]
+
+
+def _read_parquet(path: str, text_field: str) -> list[str]:
+    import pyarrow.parquet as pq
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for malformed files
+        raise DataError(f"{path}: cannot read as parquet: {type(e).__name__}") from None
+    if text_field not in table.column_names:
+        raise DataError(f"{path}: no column {text_field!r} (text_field); columns: {table.column_names}")
+    return table.column(text_field).to_pylist()
+
+
+class _ArrayRecordText:
+    """array_record records as text: UTF-8 bytes, or JSON objects with a text field."""
+
+    def __init__(self, files: list[str], text_field: str):
+        for f in files:
+            if not Path(f).is_file():
+                raise DataError(f"{f}: no such file")
+        try:
+            self._source = grain.sources.ArrayRecordDataSource(files)
+            len(self._source)
+        except Exception as e:
+            raise DataError(f"{', '.join(files)}: cannot open as array_record: {type(e).__name__}") from None
+        self._field = text_field
+
+    def __len__(self):
+        return len(self._source)
+
+    def __getitem__(self, index):
+        record = self._source[index].decode("utf-8")
+        if record.startswith("{"):
+            return json.loads(record)[self._field]
+        return record
+
+
+def document_source(c: Config, files: list[str]):
+    """A random-access sequence of document strings."""
+    if c.dataset_type == "array_record":
+        return _ArrayRecordText(files, c.text_field)
+    read = _read_parquet if c.dataset_type == "parquet" else _read_text_file
+    docs = []
+    for f in files:
+        docs.extend(read(f, c.text_field))
+    return docs
+
+
+def split_documents(c: Config):
+    """(train documents, eval documents or None), following train/eval_files and eval_split_fraction."""
+    train = document_source(c, expand_files(c.train_files, "train_files"))
+    if c.eval_files:
+        return train, document_source(c, expand_files(c.eval_files, "eval_files"))
+    if c.eval_split_fraction > 0:
+        n_eval = max(1, int(len(train) * c.eval_split_fraction))
+        cut = len(train) - n_eval
+        return grain.MapDataset.source(train)[:cut], grain.MapDataset.source(train)[cut:]
+    return train, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The grain pipeline
+
+
+def _to_features(tokens: np.ndarray) -> dict:
+    """One document's tokens -> next-token inputs/targets, shifted inside the document."""
+    return {"inputs": tokens[:-1], "targets": tokens[1:]}
+
+
+def _pad(features: dict, length: int) -> dict:
+    """packing=false: one document per row, truncated or zero-padded to `length`."""
+    out = {}
+    n = min(len(features["inputs"]), length)
+    for name in ("inputs", "targets"):
+        row = np.zeros(length, np.int32)
+        row[:n] = features[name][:n]
+        out[name] = row
+    out["inputs_segment_ids"] = (np.arange(length) < n).astype(np.int32)
+    out["inputs_positions"] = np.where(out["inputs_segment_ids"], np.arange(length), 0).astype(np.int32)
+    out["targets_segment_ids"] = out["inputs_segment_ids"]
+    return out
+
+
+def _to_batch(packed: dict) -> dict:
+    return {
+        "inputs": packed["inputs"].astype(np.int32),
+        "targets": packed["targets"].astype(np.int32),
+        "positions": packed["inputs_positions"].astype(np.int32),
+        "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
+        # Padding (segment 0) is masked out of the loss; targets never cross documents because
+        # each document was shifted on its own before packing.
+        "weights": (packed["targets_segment_ids"] != 0).astype(np.float32),
+    }
+
+
+def make_dataset(c: Config, documents, tokenizer: Tokenizer, *, process_index: int, process_count: int,
+                 train: bool) -> grain.IterDataset:
+    """This process's batches (numpy), [global_batch / process_count, max_target_length] each."""
+    ds = grain.MapDataset.source(documents)
+    ds = ds[process_index::process_count]  # disjoint shares, by document
+    if train:
+        ds = ds.shuffle(seed=c.data_shuffle_seed + process_index)
+        ds = ds.repeat(None if c.num_epochs == -1 else c.num_epochs)  # reshuffled every epoch
+    ds = ds.map(lambda text: _to_features(tokenizer.encode(text)))
+    ds = ds.filter(lambda f: len(f["inputs"]) > 0)
+    length = c.max_target_length
+    if c.packing:
+        ds = grain_exp.ConcatThenSplitIterDataset(ds.to_iter_dataset(),
+                                                  length_struct={"inputs": length, "targets": length})
+    else:
+        ds = ds.map(functools.partial(_pad, length=length)).to_iter_dataset()
+    ds = ds.batch(c.global_batch_size // process_count, drop_remainder=True).map(_to_batch)
+    if c.grain_worker_count > 0:
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=c.grain_worker_count))
+    else:
+        ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
+    return ds
+
+
+class GrainIterator:
+    """Turns each process's numpy batches into global jax.Arrays with the batch sharding."""
+
+    def __init__(self, dataset: grain.IterDataset, c: Config, batch_sharding):
+        self._iter = iter(dataset)
+        self._sharding = batch_sharding
+        self._shape = (c.global_batch_size, c.max_target_length)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        local = next(self._iter)
+        return {k: jax.make_array_from_process_local_data(self._sharding, v, self._shape)
+                for k, v in local.items()}
+
+    def get_state(self) -> dict:
+        return self._iter.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._iter.set_state(state)
+
+
+def make_iterators(c: Config, batch_sharding):
+    """(train iterator, factory of fresh eval iterators or None)."""
     if c.dataset_type == "synthetic":
-        return SyntheticIterator(c, batch_sharding)
-    raise ValueError(f"unsupported dataset_type {c.dataset_type!r}")  # config validation prevents this
+        return SyntheticIterator(c, batch_sharding), None
+    tokenizer = make_tokenizer(c)
+    train_docs, eval_docs = split_documents(c)
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    train_iter = GrainIterator(make_dataset(c, train_docs, tokenizer, train=True, **where), c, batch_sharding)
+    if eval_docs is None:
+        return train_iter, None
+    return train_iter, lambda: GrainIterator(
+        make_dataset(c, eval_docs, tokenizer, train=False, **where), c, batch_sharding)
+
+
+def make_iterator(c: Config, batch_sharding):
+    return make_iterators(c, batch_sharding)[0]

@@ -17,11 +17,12 @@ from maxtrain.config import MESH_AXES, Config
 
 
 def num_slices(devices=None) -> int:
-    """Slices (TPU multislice) or, where devices carry no slice index, 1."""
+    """The units the dcn_* axes split: TPU slices, or, where devices carry no slice index (GPU and
+    CPU clusters), processes, i.e. hosts, as in mesh_utils' `process_is_granule`."""
     devices = devices or jax.devices()
-    if hasattr(devices[0], "slice_index"):
+    if devices[0].platform == "tpu":
         return 1 + max(d.slice_index for d in devices)
-    return 1
+    return len({d.process_index for d in devices})
 
 
 def make_mesh(config: Config, devices=None) -> Mesh:
@@ -29,9 +30,9 @@ def make_mesh(config: Config, devices=None) -> Mesh:
     ici = [config.mesh_ici[a] for a in MESH_AXES]
     dcn = [config.mesh_dcn[a] for a in MESH_AXES]
     if config.num_slices > 1:
-        # Without slice indices (CPU, GPU clusters) each process is one granule of the hybrid mesh.
+        # TPU: slices are the granules of the hybrid mesh; GPU and CPU clusters: processes (hosts).
         grid = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index"))
+            ici, dcn, devices, process_is_granule=devices[0].platform != "tpu")
     elif devices[0].platform in ("tpu", "gpu"):
         grid = mesh_utils.create_device_mesh(ici, devices)  # topology-aware ordering
     else:

@@ -58,6 +58,7 @@ class Trainer:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], TrainState]
     train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+    eval_step: Callable[[Any, dict], dict]
     abstract_state: TrainState
 
 
@@ -88,10 +89,12 @@ def build(c: Config, mesh) -> Trainer:
     step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(lambda params, batch: loss_fn(params, model, batch)[1],
+                        in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_shardings)
     return Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
-                   train_step, abstract)
+                   train_step, eval_step, abstract)
 
 
 def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):

@@ -5,6 +5,7 @@ argv -> config -> mesh -> sharded init -> loop (step N+1 queued before step N's 
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import time
@@ -15,23 +16,31 @@ import yaml
 
 from maxtrain import checkpoint as ckpt_lib
 from maxtrain import config as config_lib
-from maxtrain import data, mesh as mesh_lib, metrics as metrics_lib, step as step_lib, summary
+from maxtrain import data, distributed, mesh as mesh_lib, metrics as metrics_lib, step as step_lib, summary
+
+
+def say(*args) -> None:
+    """Progress lines come from process 0 only; every process would print the same."""
+    if jax.process_index() == 0:
+        print(*args, flush=True)
 
 
 def load_config(argv: list[str], devices=None) -> config_lib.Config:
-    devices = devices or jax.devices()
+    """Parse and validate, start jax.distributed if the run is multi-process, then fit the mesh."""
     c = config_lib.load(argv)
+    distributed.initialize(c)  # before anything touches devices
+    devices = devices or jax.devices()
     return config_lib.with_devices(c, len(devices), mesh_lib.num_slices(devices))
 
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
-    print(summary.param_table(trainer))
+    say(summary.param_table(trainer))
     batch = {k: jax.ShapeDtypeStruct((c.global_batch_size, c.max_target_length),
                                      "float32" if k == "weights" else "int32", sharding=trainer.batch_sharding)
              for k in step_lib.BATCH_KEYS}
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         compiled = trainer.train_step.lower(trainer.abstract_state, batch).compile()
-    print("train step memory per device:", summary.format_memory(summary.memory_report(compiled)))
+    say("train step memory per device:", summary.format_memory(summary.memory_report(compiled)))
 
 
 def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer, batches):
@@ -41,16 +50,30 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
         if restored is not None:
             state, data_state = restored
             batches.set_state(data_state)
-            print(f"resumed from {checkpointer.directory}/{int(state.step)}")
+            say(f"resumed from {checkpointer.directory}/{int(state.step)}")
             return state
     if c.load_full_state_path:
-        print(f"loading full state from {c.load_full_state_path}")
+        say(f"loading full state from {c.load_full_state_path}")
         return ckpt_lib.load_full_state(c, trainer.abstract_state)
     state = trainer.init(jax.random.key(c.init_weights_seed))
     if c.load_parameters_path:
-        print(f"loading parameters from {c.load_parameters_path}")
+        say(f"loading parameters from {c.load_parameters_path}")
         state = state.replace(params=ckpt_lib.load_parameters(c, trainer.abstract_state.params))
     return state
+
+
+def evaluate(c: config_lib.Config, trainer: step_lib.Trainer, params, make_eval_iterator) -> dict:
+    """Loss over (up to) eval_steps batches of a fresh pass over the eval documents."""
+    loss_sum, tokens, batches = 0.0, 0.0, make_eval_iterator()
+    for _ in range(c.eval_steps):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        out = jax.device_get(trainer.eval_step(params, batch))
+        loss_sum, tokens = loss_sum + float(out["loss_sum"]), tokens + float(out["tokens"])
+    loss = loss_sum / max(tokens, 1.0)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
 
 
 class StopSignal:
@@ -71,11 +94,13 @@ def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
-    print(f"maxtrain: {c.num_params:,} parameters | mesh {c.mesh_shape} | global batch "
+    say(f"maxtrain: {c.num_params:,} parameters | mesh {c.mesh_shape} | global batch "
           f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | {c.dtype}")
     if c.dry_run:
         dry_run(c, trainer)
         return {}
+    # Read data files and tokenizer before writing anything: bad input fails cleanly.
+    batches, make_eval_iterator = data.make_iterators(c, trainer.batch_sharding)
 
     run_dir = Path(c.base_output_directory) / c.run_name
     writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard)
@@ -89,33 +114,47 @@ def train(c: config_lib.Config, devices=None) -> dict:
     stop = StopSignal()
     preempted = False
     with mesh_lib.activate(mesh, trainer.rules):
-        batches = data.make_iterator(c, trainer.batch_sharding)
         state = initial_state(c, trainer, checkpointer, batches)
         t_start = time.perf_counter()
-        last_time, last_step, pending, history = t_start, 0, None, []
+        pending, history, eval_history = None, [], []
 
         def read(step_done, device_metrics):
             # Blocks until step `step_done` finished; by then the next step is already queued.
             nonlocal last_time, last_step
             m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
             history.append(m["loss"])
-            if step_done == first_step + 1:  # compile time kept out of the step-time windows
-                last_time, last_step = time.perf_counter(), step_done
-                print(f"first step (includes compile) took {last_time - t_start:.1f} s", flush=True)
-            if step_done % c.log_period and step_done != c.steps or step_done == last_step:
-                return
             now = time.perf_counter()
-            seconds = (now - last_time) / (step_done - last_step)
+            if step_done == first_step + 1:  # compile time is kept out of later step-time windows
+                say(f"first step (includes compile) took {now - t_start:.1f} s")
+            if step_done % c.log_period and step_done != c.steps and step_done != first_step + 1:
+                return
+            seconds = (now - last_time) / max(step_done - last_step, 1)
             last_time, last_step = now, step_done
             tflops = flops_per_device / seconds / 1e12
             m.update(step_seconds=seconds, tokens_per_second=tokens_per_step / seconds,
                      tflops_per_device=tflops, mfu=tflops / peak)
-            print(metrics_lib.format_line(step_done, m), flush=True)
+            say(metrics_lib.format_line(step_done, m))
             writer.write(step_done, m)
 
         first_step = int(state.step)
+        last_time, last_step = t_start, first_step
+        def run_eval(step_done):
+            nonlocal last_time
+            t0 = time.perf_counter()
+            e = evaluate(c, trainer, state.params, make_eval_iterator)
+            last_time += time.perf_counter() - t0  # keep eval out of the step-time window
+            eval_history.append(e["loss"])
+            say(f"eval   {step_done:>6d} | loss {e['loss']:.4f} | perplexity {e['perplexity']:.3f} | "
+                  f"{e['tokens']:,.0f} tokens")
+            writer.write(step_done, e, prefix="eval")
+
         for step in range(first_step, c.steps):
-            state, device_metrics = trainer.train_step(state, next(batches))
+            try:
+                batch = next(batches)
+            except StopIteration:
+                say(f"data exhausted after num_epochs={c.num_epochs} at step {step}")
+                break
+            state, device_metrics = trainer.train_step(state, batch)
             done = step + 1
             if checkpointer is not None:
                 preempted = stop.received or checkpointer.reached_preemption(done)
@@ -123,6 +162,10 @@ def train(c: config_lib.Config, devices=None) -> dict:
             if pending is not None:
                 read(*pending)
             pending = (done, device_metrics)
+            if make_eval_iterator and c.eval_interval and (done % c.eval_interval == 0 or done == c.steps):
+                read(*pending)
+                pending = None
+                run_eval(done)
             if preempted or (stop.received and checkpointer is None):
                 break
         if pending is not None:
@@ -132,27 +175,28 @@ def train(c: config_lib.Config, devices=None) -> dict:
         checkpointer.close()  # waits until every pending save is durable
     writer.close()
     if stop.received:
-        where = f"checkpoint saved at step {pending[0]}; rerun the same command to resume" if preempted else \
+        where = f"checkpoint saved at step {int(state.step)}; rerun the same command to resume" if preempted else \
             "checkpointing is off, nothing saved"
-        print(f"stopped by SIGTERM after step {pending[0]}: {where}", flush=True)
-        return {"losses": history, "state": state, "preempted": True}
+        say(f"stopped by SIGTERM after step {int(state.step)}: {where}")
+        return {"losses": history, "state": state, "preempted": True, "eval_losses": eval_history}
     elapsed = time.perf_counter() - t_start
     if not history:
-        print(f"nothing to do: the run is already at step {int(state.step)} of {c.steps}")
+        say(f"nothing to do: the run is already at step {int(state.step)} of {c.steps}")
         return {"losses": history, "state": state}
-    print(f"done: {c.steps} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}; outputs in {run_dir}")
-    return {"losses": history, "state": state}
+    say(f"done: {int(state.step)} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}; outputs in {run_dir}")
+    return {"losses": history, "state": state, "eval_losses": eval_history}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        c = load_config(argv)
+        train(load_config(argv))
     except config_lib.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    try:
-        train(c)
+    except data.DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
     except ckpt_lib.CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,17 @@ def test_exact_resume_matches_straight_run(train_tiny):
     assert params_equal_bitwise(resumed["state"].opt_state, straight["state"].opt_state)
 
 
+def test_exact_resume_with_the_text_pipeline(train_tiny):
+    """Same, reading Tiny Shakespeare through grain: the iterator state is in the checkpoint."""
+    text = ("dataset_type=text", f"train_files={TESTS.parent / 'data' / 'tinyshakespeare.txt'}",
+            "vocab_size=384", "eval_split_fraction=0.1", "max_target_length=64")
+    straight = train_tiny(*CKPT, *FSDP8, *text, "run_name=straight", "steps=20")
+    train_tiny(*CKPT, *FSDP8, *text, "run_name=resumed", "steps=10", "checkpoint_period=5")
+    resumed = train_tiny(*CKPT, *FSDP8, *text, "run_name=resumed", "steps=20", "checkpoint_period=5")
+    assert resumed["losses"] == straight["losses"][10:]
+    assert params_equal_bitwise(resumed["state"].params, straight["state"].params)
+
+
 def test_restore_onto_a_different_mesh(train_tiny):
     straight = train_tiny(*CKPT, *FSDP8, "run_name=a", "steps=12")
     train_tiny(*CKPT, *FSDP8, "run_name=b", "steps=10")

@@ -39,7 +39,7 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     assert "MFU" in proc.stdout and "done: 12 steps" in proc.stdout
     run = tmp_path / "cli"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [4, 8, 12]
+    assert [r["step"] for r in rows] == [1, 4, 8, 12]  # step 1 (with compile time), then every 4
     assert {"train/loss", "train/mfu", "train/tokens_per_second", "train/grad_norm"} <= set(rows[0])
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
