@@ -21,7 +21,7 @@ def num_slices(devices=None) -> int:
     CPU clusters), processes, i.e. hosts, as in mesh_utils' `process_is_granule`."""
     devices = devices or jax.devices()
     if devices[0].platform == "tpu":
-        return 1 + max(d.slice_index for d in devices)
+        return 1 + max(getattr(d, "slice_index", 0) for d in devices)
     return len({d.process_index for d in devices})
 
 

@@ -1,0 +1,1 @@
+"""maxtrain: config-driven LLM pretraining in JAX."""

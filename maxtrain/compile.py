@@ -1,0 +1,91 @@
+"""Ahead-of-time compile of the train step for a TPU topology, on any machine (a CPU laptop too).
+
+    python -m maxtrain.compile configs/x.yml compile_topology=v5p-128 [compile_topology_num_slices=2] ...
+
+Needs libtpu (`pip install -e .[tpu]`). Prints the per-device memory XLA plans (arguments,
+temporaries, outputs) against the chip's HBM and the FLOPs per step, and exits 1 if it would not fit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+
+# Compile-only: never try to open real TPU chips (and their lockfile) or the TPU runtime's metadata.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+import jax  # noqa: E402
+
+from maxtrain import config as config_lib, mesh as mesh_lib, metrics, step as step_lib, summary  # noqa: E402
+
+# HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
+CHIPS = {"v4": (32.0, 2, 3), "v5p": (95.0, 2, 3), "v5e": (16.0, 1, 2), "v6e": (32.0, 1, 2)}
+# name -> (HBM GiB per chip, cores counted per chip in "-N", torus dimensions)
+
+
+def topology(name: str) -> tuple[str, str, float, int]:
+    """'v5p-128' -> ('v5p', 'v5p:4x4x4', HBM GiB per chip, chips)."""
+    m = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name)
+    if not m:
+        raise config_lib.ConfigError("compile_topology", f"{name!r}: expected v4-N, v5e-N, v5p-N or v6e-N")
+    gen, n = m.group(1), int(m.group(2))
+    hbm, per_chip, ndim = CHIPS[gen]
+    chips = n // per_chip
+    if chips < 1 or n % per_chip or chips & (chips - 1):
+        raise config_lib.ConfigError("compile_topology", f"{name!r}: the chip count must be a power of two")
+    dims = [1] * ndim
+    while math.prod(dims) < chips:  # as cubic as possible: double the smallest side
+        dims[dims.index(min(dims))] *= 2
+    dims = sorted(d for d in dims if d > 1) + [d for d in dims if d == 1]  # 2x2x1, 2x2x4, 4x4x8
+    if len(dims) < ndim:
+        dims += [1] * (ndim - len(dims))
+    return gen, f"{gen}:{'x'.join(map(str, dims))}", hbm, chips
+
+
+def compile_for(c_static: config_lib.Config) -> int:
+    from jax.experimental import topologies
+    gen, spec, hbm_per_chip, chips = topology(c_static.compile_topology)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=spec,
+                                        num_slices=c_static.compile_topology_num_slices)
+    devices = desc.devices
+    c = config_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices))
+    trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+    batch = {k: jax.ShapeDtypeStruct((c.global_batch_size, c.max_target_length),
+                                     "float32" if k == "weights" else "int32", sharding=trainer.batch_sharding)
+             for k in step_lib.BATCH_KEYS}
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        compiled = trainer.train_step.lower(trainer.abstract_state, batch).compile()
+    mem = summary.memory_report(compiled)
+    hbm = hbm_per_chip * chips * c.compile_topology_num_slices / len(devices)  # per device
+    flops = metrics.train_flops_per_step(c)
+    print(f"{c.compile_topology} x {c.compile_topology_num_slices} slice(s) ({spec}, {len(devices)} devices "
+          f"{devices[0].device_kind}) | {c.num_params / 1e6:,.1f}M params | mesh {c.mesh_shape} | "
+          f"batch {c.global_batch_size} x {c.max_target_length} | remat {c.remat_policy} | {c.dtype} "
+          f"compute, {c.weight_dtype} weights")
+    print(f"memory per device: {summary.format_memory(mem)} | HBM {hbm:.1f} GiB")
+    print(f"model FLOPs per step: {flops:.3e} ({flops / len(devices) / 1e12:.1f} TFLOP per device)")
+    if mem["total"] > hbm:
+        print(f"does not fit: {mem['total']:.2f} GiB > {hbm:.1f} GiB HBM per device; try a larger "
+              f"ici_fsdp_parallelism, remat_policy=full, or a smaller per_device_batch_size", file=sys.stderr)
+        return 1
+    print(f"fits: {mem['total']:.2f} GiB of {hbm:.1f} GiB ({100 * mem['total'] / hbm:.0f}%)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        c = config_lib.load(argv)
+        if not c.compile_topology:
+            raise config_lib.ConfigError("compile_topology", "name a topology to compile for, e.g. v5p-128")
+        return compile_for(c)
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Run maxtrain on every worker of a Cloud TPU VM pod slice: the same command on each host;
+# jax.distributed auto-detects the pod (TPU_WORKER_HOSTNAMES), XLA SPMD does the rest.
+#
+#   scripts/launch_tpu_pod.sh [--dry-run] --tpu NAME --zone ZONE [--project P]
+#       [--create --accelerator v5p-128 [--runtime v2-alpha-tpuv5] [--spot]]  -- CONFIG.yml [key=value ...]
+#
+# Steps: (optionally) create a queued resource and wait until ACTIVE; copy this checkout to every
+# worker (git archive, so only tracked files); pip install -e .[tpu]; run the training command.
+# --dry-run prints the commands instead of running them.
+set -euo pipefail
+dry_run=0 create=0 spot="" tpu="" zone="" project="" accelerator="" runtime="v2-alpha-tpuv5"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) dry_run=1; shift ;;
+    --tpu) tpu=$2; shift 2 ;;
+    --zone) zone=$2; shift 2 ;;
+    --project) project=$2; shift 2 ;;
+    --create) create=1; shift ;;
+    --accelerator) accelerator=$2; shift 2 ;;
+    --runtime) runtime=$2; shift 2 ;;
+    --spot) spot="--spot"; shift ;;
+    --) shift; break ;;
+    *) echo "unknown option $1 (training arguments go after --)" >&2; exit 2 ;;
+  esac
+done
+if [[ -z $tpu || -z $zone || $# -lt 1 ]]; then
+  echo "usage: $0 [--dry-run] --tpu NAME --zone ZONE [--project P] [--create --accelerator TYPE] -- CONFIG.yml [key=value ...]" >&2
+  exit 2
+fi
+if [[ $create == 1 && -z $accelerator ]]; then echo "--create needs --accelerator (e.g. v5p-128)" >&2; exit 2; fi
+project_flag=()
+[[ -n $project ]] && project_flag=(--project "$project")
+
+run() { if [[ $dry_run == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi; }
+
+if [[ $create == 1 ]]; then
+  run gcloud compute tpus queued-resources create "$tpu" --node-id "$tpu" --zone "$zone" \
+    --accelerator-type "$accelerator" --runtime-version "$runtime" ${spot:+"$spot"} "${project_flag[@]}"
+  if [[ $dry_run == 0 ]]; then
+    until gcloud compute tpus queued-resources describe "$tpu" --zone "$zone" "${project_flag[@]}" \
+        --format='value(state.state)' | grep -q ACTIVE; do sleep 30; done
+  fi
+fi
+
+archive=${TMPDIR:-/tmp}/maxtrain-$$.tar.gz
+run git archive --format=tar.gz -o "$archive" HEAD
+run gcloud compute tpus tpu-vm scp "$archive" "$tpu:~/maxtrain.tar.gz" --worker=all --zone "$zone" "${project_flag[@]}"
+train_cmd="python -m maxtrain.train $(printf '%q ' "$@")"
+train_cmd=${train_cmd% }
+remote="mkdir -p ~/maxtrain && tar -xzf ~/maxtrain.tar.gz -C ~/maxtrain && cd ~/maxtrain && pip install -q -e '.[tpu]' && $train_cmd"
+run gcloud compute tpus tpu-vm ssh "$tpu" --worker=all --zone "$zone" "${project_flag[@]}" --command "$remote"

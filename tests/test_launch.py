@@ -1,0 +1,117 @@
+"""Launch scripts (--dry-run prints exactly what would run) and ahead-of-time compile for a TPU topology."""
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TINY, TESTS
+
+REPO = TESTS.parent
+
+
+def dry(*cmd, env=None):
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, **(env or {})))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_launch_local_dry_run():
+    out = dry("scripts/launch_local.sh", "--dry-run", "2", "configs/base.yml", "steps=5",
+              env={"MAXTRAIN_COORDINATOR_PORT": "4321"})
+    lines = [shlex.split(x) for x in out.strip().splitlines()]
+    assert len(lines) == 2
+    for i, argv in enumerate(lines):
+        assert argv[:3] == ["env", "XLA_FLAGS=--xla_force_host_platform_device_count=4", "JAX_PLATFORMS=cpu"]
+        assert argv[4:7] == ["-m", "maxtrain.train", "configs/base.yml"]
+        assert argv[-4:] == ["steps=5", "coordinator_address=127.0.0.1:4321", "num_processes=2", f"process_id={i}"]
+
+
+def test_launch_tpu_pod_dry_run():
+    out = dry("scripts/launch_tpu_pod.sh", "--dry-run", "--tpu", "my-pod", "--zone", "us-east5-a", "--project", "p1",
+              "--create", "--accelerator", "v5p-128", "--", "configs/base.yml", "model_name=llama2-7b", "steps=100")
+    lines = [shlex.split(x) for x in out.strip().splitlines()]
+    create, archive, scp, ssh = lines
+    assert create[:5] == ["gcloud", "compute", "tpus", "queued-resources", "create"]
+    assert "--accelerator-type" in create and create[create.index("--accelerator-type") + 1] == "v5p-128"
+    assert archive[:2] == ["git", "archive"]
+    assert scp[:4] == ["gcloud", "compute", "tpus", "tpu-vm"] and "--worker=all" in scp
+    assert ssh[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-pod"] and "--worker=all" in ssh
+    remote = ssh[ssh.index("--command") + 1]
+    assert "pip install -q -e '.[tpu]'" in remote
+    assert remote.endswith("python -m maxtrain.train configs/base.yml model_name=llama2-7b steps=100")
+
+
+def test_launch_slurm_dry_run():
+    out = dry("bash", "scripts/launch_slurm.sbatch", "--dry-run", "configs/base.yml", "steps=7")
+    assert shlex.split(out) == ["srun", "--kill-on-bad-exit=1", "python", "-m", "maxtrain.train",
+                                "configs/base.yml", "steps=7"]
+    out = dry("bash", "scripts/launch_slurm.sbatch", "--dry-run", "configs/base.yml", "steps=7",
+              env={"MAXTRAIN_PROCESS_PER": "gpu"})
+    argv = shlex.split(out)
+    assert argv[:4] == ["srun", "--kill-on-bad-exit=1", "bash", "-c"]
+    assert argv[4].startswith("CUDA_VISIBLE_DEVICES=$SLURM_LOCALID exec python -m maxtrain.train configs/base.yml steps=7")
+
+
+def test_launch_gke_xpk_and_jobset_dry_runs():
+    common = ["--cluster", "c1", "--workload", "run1", "--tpu-type", "v5p-128", "--image", "gcr.io/p/maxtrain:1",
+              "--num-slices", "2", "--", "configs/base.yml", "steps=9"]
+    argv = shlex.split(dry("scripts/launch_gke.sh", "--dry-run", "--xpk", *common))
+    assert argv[:3] == ["xpk", "workload", "create"]
+    assert argv[argv.index("--num-slices") + 1] == "2"
+    assert argv[argv.index("--command") + 1] == "python -m maxtrain.train configs/base.yml steps=9"
+    import yaml
+    manifest, kubectl = dry("scripts/launch_gke.sh", "--dry-run", *common).split("---\n")
+    job = yaml.safe_load(manifest)
+    assert kubectl.strip() == "kubectl apply -f -"
+    assert job["kind"] == "JobSet" and job["metadata"]["name"] == "run1"
+    rj = job["spec"]["replicatedJobs"][0]
+    pod = rj["template"]["spec"]["template"]["spec"]
+    assert rj["replicas"] == 2 and rj["template"]["spec"]["parallelism"] == 16  # 64 chips / 4 per host
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                   "cloud.google.com/gke-tpu-topology": "4x4x4"}
+    assert pod["containers"][0]["command"][-1] == "python -m maxtrain.train configs/base.yml steps=9"
+
+
+def test_topology_names():
+    from maxtrain.compile import topology
+    assert topology("v5p-128")[1:] == ("v5p:4x4x4", 95.0, 64)
+    assert topology("v5e-256")[1] == "v5e:16x16"
+    assert topology("v4-8")[1] == "v4:2x2x1"
+    assert topology("v6e-8")[1] == "v6e:2x4"
+
+
+def run_compile(*args):
+    return subprocess.run([sys.executable, "-m", "maxtrain.compile", TINY, *args], capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,mesh", [
+    (("compile_topology=v5e-4",), "{'data': 1, 'fsdp': 4, 'tensor': 1}"),
+    (("compile_topology=v5p-8", "compile_topology_num_slices=2", "ici_fsdp_parallelism=2",
+      "ici_tensor_parallelism=2"), "{'data': 2, 'fsdp': 2, 'tensor': 2}"),
+], ids=["v5e-4", "v5p-8x2slices"])
+def test_compile_for_a_tpu_topology_on_cpu(args, mesh):
+    proc = run_compile(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"mesh {mesh}" in proc.stdout
+    assert "memory per device: arguments" in proc.stdout and "temporaries" in proc.stdout
+    assert "model FLOPs per step" in proc.stdout and "fits:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_compile_reports_a_model_that_does_not_fit():
+    proc = run_compile("compile_topology=v5e-4", "base_emb_dim=8192", "base_mlp_dim=32768",
+                       "base_num_decoder_layers=8", "vocab_size=32000", "head_dim=128", "ici_fsdp_parallelism=1",
+                       "ici_data_parallelism=4")
+    assert proc.returncode == 1
+    assert "does not fit" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compile_bad_topology_is_a_config_error():
+    proc = run_compile("compile_topology=v9-8")
+    assert proc.returncode == 2 and proc.stderr.startswith("config error: compile_topology:")
