@@ -56,10 +56,19 @@ def compile_for(c_static: config_lib.Config) -> int:
     batch = {k: jax.ShapeDtypeStruct((c.global_batch_size, c.max_target_length),
                                      "float32" if k == "weights" else "int32", sharding=trainer.batch_sharding)
              for k in step_lib.BATCH_KEYS}
-    with mesh_lib.activate(trainer.mesh, trainer.rules):
-        compiled = trainer.train_step.lower(trainer.abstract_state, batch).compile()
-    mem = summary.memory_report(compiled)
     hbm = hbm_per_chip * chips * c.compile_topology_num_slices / len(devices)  # per device
+    advice = "try a larger ici_fsdp_parallelism, remat_policy=full, or a smaller per_device_batch_size"
+    try:
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            compiled = trainer.train_step.lower(trainer.abstract_state, batch).compile()
+    except Exception as e:  # the TPU compiler itself refuses programs far over HBM
+        message = str(e)
+        if "Ran out of memory" not in message and "RESOURCE_EXHAUSTED" not in message:
+            raise
+        detail = message[message.find("the total memory"):].splitlines()[0] if "the total memory" in message else ""
+        print(f"does not fit: XLA: {detail or 'out of HBM'}; {advice}", file=sys.stderr)
+        return 1
+    mem = summary.memory_report(compiled)
     flops = metrics.train_flops_per_step(c)
     print(f"{c.compile_topology} x {c.compile_topology_num_slices} slice(s) ({spec}, {len(devices)} devices "
           f"{devices[0].device_kind}) | {c.num_params / 1e6:,.1f}M params | mesh {c.mesh_shape} | "
@@ -68,8 +77,7 @@ def compile_for(c_static: config_lib.Config) -> int:
     print(f"memory per device: {summary.format_memory(mem)} | HBM {hbm:.1f} GiB")
     print(f"model FLOPs per step: {flops:.3e} ({flops / len(devices) / 1e12:.1f} TFLOP per device)")
     if mem["total"] > hbm:
-        print(f"does not fit: {mem['total']:.2f} GiB > {hbm:.1f} GiB HBM per device; try a larger "
-              f"ici_fsdp_parallelism, remat_policy=full, or a smaller per_device_batch_size", file=sys.stderr)
+        print(f"does not fit: {mem['total']:.2f} GiB > {hbm:.1f} GiB HBM per device; {advice}", file=sys.stderr)
         return 1
     print(f"fits: {mem['total']:.2f} GiB of {hbm:.1f} GiB ({100 * mem['total'] / hbm:.0f}%)")
     return 0

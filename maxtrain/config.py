@@ -34,7 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "learning_rate_schedule": ("cosine", "linear", "constant"),
     "dataset_type": ("synthetic", "text", "parquet", "array_record"),
     "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
-    "attention": ("dot_product", "jax_nn"),
+    "attention": ("dot_product", "jax_nn", "splash"),
     "distributed_init": ("auto", "true", "false"),
 }
 POSITIVE_INTS = (
@@ -238,6 +238,10 @@ def _validate(c: dict[str, Any]) -> None:
                 "z_loss_multiplier", "peak_tflops_per_device", "normalization_layer_epsilon"):
         if c[key] < 0:
             raise ConfigError(key, "must be >= 0")
+    if c["loss_chunk_size"] < 0 or (c["loss_chunk_size"] and c["max_target_length"] % c["loss_chunk_size"]):
+        raise ConfigError("loss_chunk_size", f"must be 0 or divide max_target_length={c['max_target_length']}")
+    if c["attention"] == "splash" and c["max_target_length"] % 128:
+        raise ConfigError("attention", f"splash needs max_target_length divisible by 128, got {c['max_target_length']}")
     if c["rope_theta"] <= 0:
         raise ConfigError("rope_theta", "must be > 0")
     if c["learning_rate_schedule_steps"] == 0 or c["learning_rate_schedule_steps"] < -1:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtrain import remat
+from maxtrain import attention, remat
 
 constrain = nn.with_logical_constraint
 
@@ -79,27 +79,6 @@ def rope(x_BxLxHxK, positions_BxL, theta: float):
     return out.astype(x_BxLxHxK.dtype)
 
 
-def attention_mask(segment_ids_BxL):
-    """[B, 1, L, L] boolean: causal, and a token sees only its own document (segment)."""
-    length = segment_ids_BxL.shape[1]
-    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-    same_doc_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-    return (causal_LxL & same_doc_BxLxL)[:, None]
-
-
-def dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL):
-    """Plain XLA attention with GQA: each kv head serves G = H/N query heads; softmax in float32."""
-    b, length, h, k = q_BxLxHxK.shape
-    n = k_BxLxNxK.shape[2]
-    q_BxLxNxGxK = q_BxLxHxK.reshape(b, length, n, h // n, k)
-    scores_BxNxGxLxL = jnp.einsum("blngk,bmnk->bnglm", q_BxLxNxGxK, k_BxLxNxK,
-                                  preferred_element_type=jnp.float32) * k ** -0.5
-    scores_BxNxGxLxL = jnp.where(mask_Bx1xLxL[:, :, None], scores_BxNxGxLxL, -1e30)
-    probs = jax.nn.softmax(scores_BxNxGxLxL, axis=-1).astype(v_BxLxNxK.dtype)
-    ctx_BxLxNxGxK = jnp.einsum("bnglm,bmnk->blngk", probs, v_BxLxNxK)
-    return ctx_BxLxNxGxK.reshape(b, length, h, k)
-
-
 class Attention(nn.Module):
     args: ModelArgs
 
@@ -122,11 +101,9 @@ class Attention(nn.Module):
         k_BxLxNxK = constrain(rope(k, positions_BxL, a.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
         v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-        mask_Bx1xLxL = attention_mask(segment_ids_BxL)
-        if a.attention == "jax_nn":  # cuDNN flash attention on GPU where shapes allow, XLA elsewhere
-            ctx_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL)
-        else:
-            ctx_BxLxHxK = dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL)
+        kernel = attention.KERNELS[a.attention]
+        extra = {"residual_name": remat.CONTEXT} if a.attention == "splash" else {}
+        ctx_BxLxHxK = kernel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, **extra)
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)
         return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT)
 
@@ -167,7 +144,9 @@ class Decoder(nn.Module):
     args: ModelArgs
 
     @nn.compact
-    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, return_hidden=False):
+        """Logits [B,L,V] in float32; with return_hidden, (final hidden [B,L,D], output matrix [D,V])
+        so the loss can form the logits chunk by chunk."""
         a = self.args
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
@@ -198,6 +177,8 @@ class Decoder(nn.Module):
         else:
             out_init = nn.with_logical_partitioning(dense_init((0,)), ("embed", "vocab"))
             out_DxV = self.param("output", out_init, (a.embed, a.vocab), a.weight_dtype)
+        if return_hidden:
+            return x_BxLxD, out_DxV.astype(a.dtype)
         # Matmul in the compute dtype, accumulated and returned in float32.
         logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV.astype(a.dtype),
                                   preferred_element_type=jnp.float32)

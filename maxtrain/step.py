@@ -32,18 +32,48 @@ class TrainState:
     opt_state: Any
 
 
-def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0):
+def _cross_entropy_sums(logits_BxLxV, targets_BxL, weights_BxL):
+    """(summed masked cross-entropy, summed log(Z)^2) of float32 logits."""
+    log_z_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    return jnp.sum((log_z_BxL - target_logit_BxL) * weights_BxL), jnp.sum(jnp.square(log_z_BxL) * weights_BxL)
+
+
+def chunked_cross_entropy_sums(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int):
+    """The same sums, forming logits for `chunk` positions at a time: the [B,L,V] float32 logits
+    (and their gradient) never exist whole. Each chunk is rematerialized in the backward pass."""
+    b, length, d = x_BxLxD.shape
+    n = length // chunk
+    split = lambda x: x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+
+    @jax.checkpoint
+    def body(carry, xs):
+        x_BxCxD, targets_BxC, weights_BxC = xs
+        logits_BxCxV = jnp.einsum("bcd,dv->bcv", x_BxCxD, out_DxV, preferred_element_type=jnp.float32)
+        logits_BxCxV = nn.with_logical_constraint(logits_BxCxV, ("batch", "length", "vocab"))
+        ce, z = _cross_entropy_sums(logits_BxCxV, targets_BxC, weights_BxC)
+        return (carry[0] + ce, carry[1] + z), None
+
+    (ce, z), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())),
+                              (split(x_BxLxD), split(targets_BxL), split(weights_BxL)))
+    return ce, z
+
+
+def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0, loss_chunk_size: int = 0):
     """Summed masked cross-entropy (+ optional z-loss) and the number of target tokens.
 
     Sums, not means, so micro-batches add up to exactly the large-batch loss; the caller divides.
     """
-    logits_BxLxV = model.apply({"params": params}, batch["inputs"], batch.get("positions"),
-                               batch.get("segment_ids"))
-    log_z_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, batch["targets"][..., None], axis=-1)[..., 0]
+    inputs = (batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
     weights_BxL = batch["weights"].astype(jnp.float32)
-    ce_sum = jnp.sum((log_z_BxL - target_logit_BxL) * weights_BxL)
-    total = ce_sum + z_loss_multiplier * jnp.sum(jnp.square(log_z_BxL) * weights_BxL)
+    if loss_chunk_size:
+        x_BxLxD, out_DxV = model.apply({"params": params}, *inputs, return_hidden=True)
+        ce_sum, z_sum = chunked_cross_entropy_sums(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
+                                                   loss_chunk_size)
+    else:
+        logits_BxLxV = model.apply({"params": params}, *inputs)
+        ce_sum, z_sum = _cross_entropy_sums(logits_BxLxV, batch["targets"], weights_BxL)
+    total = ce_sum + z_loss_multiplier * z_sum
     return total, {"loss_sum": ce_sum, "tokens": jnp.sum(weights_BxL)}
 
 
@@ -89,7 +119,7 @@ def build(c: Config, mesh) -> Trainer:
     step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(lambda params, batch: loss_fn(params, model, batch)[1],
+    eval_step = jax.jit(lambda params, batch: loss_fn(params, model, batch, 0.0, c.loss_chunk_size)[1],
                         in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_shardings)
@@ -112,10 +142,10 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
 
     def step(state: TrainState, batch: dict):
         if accum == 1:
-            (_, aux), grads = grad_fn(state.params, model, batch, c.z_loss_multiplier)
+            (_, aux), grads = grad_fn(state.params, model, batch, c.z_loss_multiplier, c.loss_chunk_size)
         else:
             def body(carry, micro):
-                (_, aux), g = grad_fn(state.params, model, micro, c.z_loss_multiplier)
+                (_, aux), g = grad_fn(state.params, model, micro, c.z_loss_multiplier, c.loss_chunk_size)
                 g = jax.lax.with_sharding_constraint(g, param_shardings)
                 return jax.tree.map(jnp.add, carry, (g, aux)), None
             zeros = (jax.tree.map(jnp.zeros_like, state.params),

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -28,7 +29,7 @@ def batches(c, docs, n, **kw):
 
 
 def test_packing_marks_documents_and_masks_padding(tiny_config, tmp_path):
-    c = tiny_config(*TEXT, f"train_files={SHAKESPEARE}", "max_target_length=8", devices=[None])
+    c = tiny_config(*TEXT, f"train_files={SHAKESPEARE}", "max_target_length=8", devices=jax.devices()[:1])
     docs = ["ab", "cdef", "ghijklmnopq"]  # with bos/eos: 4, 6 and 13 tokens
     (b,), _ = batches(c, docs, 1, train=False)
     tok = ByteTokenizer(True, True)
@@ -45,7 +46,7 @@ def test_packing_marks_documents_and_masks_padding(tiny_config, tmp_path):
 
 
 def test_padding_is_weighted_zero(tiny_config):
-    c = tiny_config(*TEXT, f"train_files={SHAKESPEARE}", "max_target_length=8", "packing=false", devices=[None, None])
+    c = tiny_config(*TEXT, f"train_files={SHAKESPEARE}", "max_target_length=8", "packing=false", devices=jax.devices()[:2])
     (b,), _ = batches(c, ["ab", "a much longer document"] * 4, 1, train=False)
     np.testing.assert_array_equal(b["weights"][0], [1, 1, 1, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(b["segment_ids"][0], [1, 1, 1, 0, 0, 0, 0, 0])

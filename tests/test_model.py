@@ -127,3 +127,15 @@ def test_jax_nn_attention_matches_dot_product(tiny_config):
 def test_tied_embeddings_have_no_output_matrix(tiny_config):
     _, params, _ = build(tiny_config("logits_via_embedding=true"))
     assert "output" not in params and "embedding" in params
+
+
+def test_splash_attention_matches_dot_product(tiny_config):
+    """Pallas splash kernel (interpret mode on CPU) with packed documents and GQA."""
+    c = tiny_config("max_target_length=128")
+    model, params, _ = build(c)
+    splash = Decoder(ModelArgs.from_config(c.replace(attention="splash")))
+    tokens = jax.random.randint(jax.random.key(4), (2, 128), 0, c.vocab_size)
+    segments = jnp.concatenate([jnp.full((2, 50), 1), jnp.full((2, 78), 2)], axis=1)
+    positions = jnp.concatenate([jnp.arange(50), jnp.arange(78)])[None].repeat(2, 0)
+    np.testing.assert_allclose(logits(splash, params, tokens, positions, segments),
+                               logits(model, params, tokens, positions, segments), atol=1e-4)

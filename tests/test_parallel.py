@@ -61,3 +61,12 @@ def test_tensor_parallel_shards_heads_and_mlp(tiny_config):
     wq, wo = params["layers"]["attention"]["wq"], params["layers"]["mlp"]["wo"]
     assert wq.sharding.shard_shape(wq.shape) == (2, 64, 1, 8)   # heads 8 -> 1 per device
     assert wo.sharding.shard_shape(wo.shape) == (2, 16, 64)     # mlp 128 -> 16 per device
+
+
+@pytest.mark.slow
+def test_splash_attention_under_shard_map_trains_like_dot_product(train_tiny):
+    """Splash runs per shard (batch over fsdp, heads over tensor); same losses as plain attention."""
+    mesh = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "max_target_length=128", "steps=3")
+    plain = train_tiny(*mesh, "run_name=plain")["losses"]
+    splash = train_tiny(*mesh, "run_name=splash", "attention=splash")["losses"]
+    np.testing.assert_allclose(splash, plain, rtol=1e-5)

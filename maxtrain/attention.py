@@ -1,0 +1,91 @@
+"""Attention kernels behind `attention=`: all take q [B,L,H,K], k/v [B,L,N,K] (GQA: N divides H) and
+segment ids [B,L], apply causal + same-document masking, and return [B,L,H,K].
+
+- dot_product: plain XLA einsums, softmax in float32; materializes the [B,H,L,L] scores.
+- jax_nn: jax.nn.dot_product_attention (cuDNN flash attention on GPU where it applies, XLA elsewhere).
+- splash: the Pallas splash-attention kernel (TPU): blockwise, never materializes the scores. On other
+  backends it runs in Pallas interpret mode, which is for tests only.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+
+def causal_document_mask(segment_ids_BxL):
+    """[B, 1, L, L] boolean: causal, and a token sees only its own document (segment)."""
+    length = segment_ids_BxL.shape[1]
+    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
+    same_doc_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    return (causal_LxL & same_doc_BxLxL)[:, None]
+
+
+def dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+    b, length, h, k = q_BxLxHxK.shape
+    n = k_BxLxNxK.shape[2]
+    q_BxLxNxGxK = q_BxLxHxK.reshape(b, length, n, h // n, k)
+    scores_BxNxGxLxL = jnp.einsum("blngk,bmnk->bnglm", q_BxLxNxGxK, k_BxLxNxK,
+                                  preferred_element_type=jnp.float32) * k ** -0.5
+    mask_Bx1x1xLxL = causal_document_mask(segment_ids_BxL)[:, :, None]
+    scores_BxNxGxLxL = jnp.where(mask_Bx1x1xLxL, scores_BxNxGxLxL, -1e30)
+    probs = jax.nn.softmax(scores_BxNxGxLxL, axis=-1).astype(v_BxLxNxK.dtype)
+    ctx_BxLxNxGxK = jnp.einsum("bnglm,bmnk->blngk", probs, v_BxLxNxK)
+    return ctx_BxLxNxGxK.reshape(b, length, h, k)
+
+
+def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK,
+                                        mask=causal_document_mask(segment_ids_BxL))
+
+
+def _splash_local(q_BxHxLxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxL, residual_name):
+    """Splash on the arrays one device holds (heads and batch already split by shard_map)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    _, h, length, k = q_BxHxLxK.shape
+    block = min(512, length)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                              block_kv_dq=block)
+    kernel = splash.make_splash_mha(
+        masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(h)]), block_sizes=sizes,
+        head_shards=1, q_seq_shards=1, residual_checkpoint_name=residual_name,
+        interpret=jax.devices()[0].platform != "tpu")
+    segments = splash.SegmentIds(q=segment_ids_BxL, kv=segment_ids_BxL)
+    return jax.vmap(kernel)(q_BxHxLxK * k ** -0.5, k_BxNxLxK, v_BxNxLxK, segment_ids=segments)
+
+
+def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None):
+    to_heads_major = lambda x: x.swapaxes(1, 2)  # noqa: E731  [B,L,H,K] -> [B,H,L,K]
+    args = (to_heads_major(q_BxLxHxK), to_heads_major(k_BxLxNxK), to_heads_major(v_BxLxNxK), segment_ids_BxL)
+    local = lambda q, k, v, s: _splash_local(q, k, v, s, residual_name)  # noqa: E731
+    mesh = jax.sharding.get_abstract_mesh()
+    specs = None
+    if not mesh.empty and nn.get_logical_axis_rules():
+        specs = [PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in (
+            ("batch", "heads", "length", "head_dim"), ("batch", "kv_heads", "length", "head_dim"),
+            ("batch", "kv_heads", "length", "head_dim"), ("batch", "length"))]
+        if not all(_divides(spec, x.shape, mesh) for spec, x in zip(specs, args)):
+            specs = None  # e.g. the batch-of-1 trace at init, whose attention output is never used
+    if specs is None:
+        return to_heads_major(local(*args))
+    # A Pallas kernel is not partitioned by XLA: run it on each shard (batch and heads split).
+    out_BxHxLxK = jax.shard_map(local, in_specs=tuple(specs), out_specs=specs[0], check_vma=False)(*args)
+    return to_heads_major(out_BxHxLxK)
+
+
+def _divides(spec: PartitionSpec, shape, mesh) -> bool:
+    for dim, axes in zip(shape, spec):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        size = 1
+        for a in axes:
+            size *= mesh.shape[a]
+        if dim % size:
+            return False
+    return True
+
+
+KERNELS = {"dot_product": dot_product, "jax_nn": jax_nn, "splash": splash}
