@@ -1,0 +1,130 @@
+"""maxtrain against MaxText's figures for the same work (issue #7's table), on this machine, in one run.
+
+    python benchmarks/compare.py [--steps 5] [--skip-aot] [--rows small,medium,...]
+
+Each CPU row runs in its own subprocess (fake device counts differ), one after another, with synthetic
+data: s/step is the mean over `--steps` steps after two warm-up steps; MFU is model FLOPs per second
+(remat recompute not counted) over the float32 matmul peak measured in the same subprocess. The AOT
+rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures were
+measured on this kind of machine (2 CPU cores, jax 0.10.2) and are quoted, not re-run.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).parent.parent
+BASE = str(REPO / "configs" / "base.yml")
+SMALL = ["base_num_decoder_layers=4", "base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4",
+         "head_dim=64", "base_mlp_dim=1024", "max_target_length=256", "vocab_size=32000",
+         "dtype=bfloat16", "weight_dtype=float32", "remat_policy=full", "scan_layers=true"]
+MEDIUM = ["base_num_decoder_layers=8", "base_emb_dim=512", "base_num_query_heads=8", "base_num_kv_heads=8",
+          "head_dim=64", "base_mlp_dim=2048", "max_target_length=512", "vocab_size=32000",
+          "dtype=bfloat16", "weight_dtype=float32", "remat_policy=full", "scan_layers=true"]
+# name, overrides, fake devices, global batch, MaxText s/step, MaxText tokens/s
+ROWS = [
+    ("small", SMALL, 1, 4, 0.84, 1230),
+    ("small float32", SMALL + ["dtype=float32"], 1, 4, 1.12, 914),
+    ("small remat minimal", SMALL + ["remat_policy=minimal"], 1, 4, 0.84, 1228),
+    ("small fsdp=4", SMALL, 4, 4, 0.96, 1070),
+    ("medium", MEDIUM, 1, 4, 6.22, 331),
+    ("medium remat minimal", MEDIUM + ["remat_policy=minimal"], 1, 4, 5.53, 371),
+]
+AOT = [
+    ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
+    ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
+]
+AOT_COMMON = ["compile_topology=v5p-128", "per_device_batch_size=4", "dtype=bfloat16", "weight_dtype=float32",
+              "remat_policy=full", "ici_fsdp_parallelism=-1"]
+
+WORKER = r"""
+import json, sys, time
+import jax
+from maxtrain import data, mesh as mesh_lib, metrics, step as step_lib, train
+steps = int(sys.argv[1]); c = train.load_config(sys.argv[2:])
+peak = metrics.measure_cpu_peak_tflops(size=2048) / jax.local_device_count()
+mesh = mesh_lib.make_mesh(c); t = step_lib.build(c, mesh)
+with mesh_lib.activate(mesh, t.rules):
+    state = t.init(jax.random.key(0)); batches = data.make_iterator(c, t.batch_sharding)
+    for _ in range(2):
+        state, m = t.train_step(state, next(batches))
+    jax.block_until_ready(m); t0 = time.perf_counter()
+    for _ in range(steps):
+        state, m = t.train_step(state, next(batches))
+    jax.block_until_ready(m); sec = (time.perf_counter() - t0) / steps
+tflops = metrics.train_flops_per_step(c) / c.num_devices / sec / 1e12
+print(json.dumps({"seconds": sec, "tokens_per_second": c.global_batch_size * c.max_target_length / sec,
+                  "mfu": tflops / peak, "loss": float(m["loss"])}))
+"""
+
+
+def run_row(overrides, devices, batch, steps, extra):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    args = [BASE, *overrides, f"per_device_batch_size={batch / devices}", "ici_fsdp_parallelism=-1", *extra]
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(steps), *args], capture_output=True, text=True,
+                          env=env, cwd=REPO)
+    if proc.returncode:
+        raise SystemExit(f"row failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def startup_seconds(extra):
+    """Process start to the first completed step of the small config, as a user runs it."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.train", BASE, *SMALL, "per_device_batch_size=4",
+                             "steps=1", "enable_checkpointing=false", "base_output_directory=/tmp/maxtrain_compare",
+                             "peak_tflops_per_device=1", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
+    for line in proc.stdout:
+        if line.startswith("first step"):
+            seconds = time.perf_counter() - t0
+            break
+    proc.wait()
+    return seconds
+
+
+def aot_gib(overrides, extra):
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.compile", BASE, *AOT_COMMON, *overrides, *extra],
+                          capture_output=True, text=True, cwd=REPO)
+    m = re.search(r"total ([0-9.]+) GiB", proc.stdout)
+    if not m:
+        return float("nan"), (proc.stderr.strip().splitlines() or ["failed"])[-1]
+    args = re.search(r"arguments ([0-9.]+) GiB \| temporaries ([0-9.]+) GiB", proc.stdout)
+    return float(m.group(1)), f"arguments {args.group(1)} + temporaries {args.group(2)} GiB"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--skip-aot", action="store_true")
+    parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    args, extra = parser.parse_known_args()  # extra key=value overrides apply to every row
+    wanted = set(args.rows.split(",")) if args.rows else None
+    print(f"{time.strftime('%Y-%m-%d')} | {os.cpu_count()} CPU cores | overrides: {' '.join(extra) or '(none)'}")
+    print("| workload | maxtrain s/step | tokens/s | MFU | MaxText s/step | MaxText tokens/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for name, overrides, devices, batch, mt_sec, mt_tps in ROWS:
+        if wanted and name not in wanted:
+            continue
+        r = run_row(overrides, devices, batch, args.steps, extra)
+        print(f"| {name} | {r['seconds']:.3f} | {r['tokens_per_second']:,.0f} | {100 * r['mfu']:.0f}% | "
+              f"{mt_sec:.2f} | {mt_tps:,} | {r['tokens_per_second'] / mt_tps:.2f}x |", flush=True)
+    if not wanted or "startup" in wanted:
+        s = startup_seconds(extra)
+        print(f"| startup to first step (small) | {s:.1f} s | | | 15-20 s | | {17.5 / s:.2f}x |", flush=True)
+    if args.skip_aot:
+        return
+    print("\n| ahead-of-time compile, per chip | maxtrain GiB | detail | MaxText GiB | ratio |\n|---|---|---|---|---|")
+    for name, overrides, mt_gib in AOT:
+        gib, detail = aot_gib(overrides, extra)
+        print(f"| {name} | {gib:.2f} | {detail} | {mt_gib:.2f} | {mt_gib / gib:.2f}x less |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
