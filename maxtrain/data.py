@@ -228,6 +228,9 @@ def make_dataset(c: Config, documents, tokenizer: Tokenizer, *, process_index: i
         ds = ds.map(functools.partial(_pad, length=length)).to_iter_dataset()
     ds = ds.batch(c.global_batch_size // process_count, drop_remainder=True).map(_to_batch)
     if c.grain_worker_count > 0:
+        from absl import flags  # grain's workers read absl flags; we never parse argv with absl
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=c.grain_worker_count))
     else:
         ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
