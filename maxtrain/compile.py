@@ -16,6 +16,9 @@ import sys
 # Compile-only: never try to open real TPU chips (and their lockfile) or the TPU runtime's metadata.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# libtpu lets one process per machine hold the chips (a lockfile); compiling holds none, so several
+# compiles, or a compile beside a training run, may share the machine.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 
