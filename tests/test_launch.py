@@ -115,3 +115,15 @@ def test_compile_reports_a_model_that_does_not_fit():
 def test_compile_bad_topology_is_a_config_error():
     proc = run_compile("compile_topology=v9-8")
     assert proc.returncode == 2 and proc.stderr.startswith("config error: compile_topology:")
+
+
+@pytest.mark.slow
+def test_two_compiles_can_run_at_once():
+    """libtpu's one-process lockfile must not stop compile-only processes from sharing a machine."""
+    procs = [subprocess.Popen([sys.executable, "-m", "maxtrain.compile", TINY, "compile_topology=v5e-4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+        assert "fits:" in out
