@@ -95,7 +95,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
     say(f"maxtrain: {c.num_params:,} parameters | mesh {c.mesh_shape} | global batch "
-          f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | {c.dtype}")
+        f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | {c.dtype}")
     if c.dry_run:
         dry_run(c, trainer)
         return {}
@@ -116,6 +116,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
     with mesh_lib.activate(mesh, trainer.rules):
         state = initial_state(c, trainer, checkpointer, batches)
         t_start = time.perf_counter()
+        first_step = int(state.step)
+        last_time, last_step = t_start, first_step  # the current step-time window
         pending, history, eval_history = None, [], []
 
         def read(step_done, device_metrics):
@@ -136,8 +138,6 @@ def train(c: config_lib.Config, devices=None) -> dict:
             say(metrics_lib.format_line(step_done, m))
             writer.write(step_done, m)
 
-        first_step = int(state.step)
-        last_time, last_step = t_start, first_step
         def run_eval(step_done):
             nonlocal last_time
             t0 = time.perf_counter()
@@ -145,7 +145,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
             last_time += time.perf_counter() - t0  # keep eval out of the step-time window
             eval_history.append(e["loss"])
             say(f"eval   {step_done:>6d} | loss {e['loss']:.4f} | perplexity {e['perplexity']:.3f} | "
-                  f"{e['tokens']:,.0f} tokens")
+                f"{e['tokens']:,.0f} tokens")
             writer.write(step_done, e, prefix="eval")
 
         for step in range(first_step, c.steps):

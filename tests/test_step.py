@@ -42,16 +42,23 @@ def test_gradient_accumulation_single_device(tiny_config):
         np.testing.assert_allclose(a, b, atol=1e-8)
 
 
-def test_masked_targets_do_not_count(tiny_config):
+def one_device_setup(tiny_config, masked_from: int):
+    """Tiny trainer and params on one device, and a batch of 2 whose targets from `masked_from` on
+    have weight 0."""
     c = tiny_config(devices=jax.devices()[:1])
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()[:1]))
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         params = trainer.init(jax.random.key(0)).params
     batch = data.synthetic_batch(0, seed=0, batch=2, length=32, vocab=256)
-    batch["weights"] = batch["weights"].at[:, 16:].set(0.0)
+    batch["weights"] = batch["weights"].at[:, masked_from:].set(0.0)
+    return trainer, params, batch
+
+
+def test_masked_targets_do_not_count(tiny_config):
+    trainer, params, batch = one_device_setup(tiny_config, masked_from=16)
     scrambled = dict(batch, targets=batch["targets"].at[:, 16:].set(7))
     loss = lambda b: step_lib.loss_fn(params, trainer.model, b)  # noqa: E731
-    (total_a, aux_a), (total_b, aux_b) = loss(batch), loss(scrambled)
+    (total_a, aux_a), (total_b, _) = loss(batch), loss(scrambled)
     assert float(aux_a["tokens"]) == 2 * 16
     np.testing.assert_allclose(total_a, total_b, rtol=1e-6)
     # z-loss adds a positive term
@@ -91,12 +98,7 @@ def test_clipping_is_in_the_chain(tiny_config):
 
 
 def test_chunked_cross_entropy_equals_full_logits(tiny_config):
-    c = tiny_config(devices=jax.devices()[:1])
-    trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()[:1]))
-    with mesh_lib.activate(trainer.mesh, trainer.rules):
-        params = trainer.init(jax.random.key(0)).params
-    batch = data.synthetic_batch(0, seed=0, batch=2, length=32, vocab=256)
-    batch["weights"] = batch["weights"].at[:, 20:].set(0.0)
+    trainer, params, batch = one_device_setup(tiny_config, masked_from=20)
 
     def loss_and_grads(chunk):
         f = lambda p: step_lib.loss_fn(p, trainer.model, batch, 1e-3, chunk)  # noqa: E731
