@@ -60,6 +60,9 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data", "model"))
 
+    def due(self, step: int) -> bool:
+        return self.manager.should_save(step)
+
     def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
         """Starts a save if `step` is due (or forced); returns once device buffers are copied."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -104,6 +107,11 @@ def _step_dir(path: str, key: str) -> Path:
     raise CheckpointError(f"{key}: {p} has no model description (expected {p}/model)")
 
 
+def _restore_failed(key: str, p: Path, e: Exception) -> CheckpointError:
+    first_line = str(e).splitlines()[0] if str(e) else ""
+    return CheckpointError(f"{key}: cannot restore {p}/state: {type(e).__name__}: {first_line}")
+
+
 def _read_model(p: Path) -> dict:
     return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(p / "model")
 
@@ -115,8 +123,7 @@ def load_full_state(c: Config, abstract_state):
     try:
         return ocp.StandardCheckpointer().restore(p / "state", abstract_state)
     except Exception as e:  # Orbax raises many types for unreadable data
-        raise CheckpointError(f"load_full_state_path: cannot restore {p}/state: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise _restore_failed("load_full_state_path", p, e) from None
 
 
 def load_parameters(c: Config, abstract_params):
@@ -131,8 +138,7 @@ def load_parameters(c: Config, abstract_params):
             p / "state", args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                                      partial_restore=True))
     except Exception as e:
-        raise CheckpointError(f"load_parameters_path: cannot restore {p}/state: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise _restore_failed("load_parameters_path", p, e) from None
     return restored["params"]
 
 

@@ -20,7 +20,6 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # compiles, or a compile beside a training run, may share the machine.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402
 
 from maxtrain import config as config_lib, mesh as mesh_lib, metrics, step as step_lib, summary  # noqa: E402
 
@@ -56,14 +55,11 @@ def compile_for(c_static: config_lib.Config) -> int:
     devices = desc.devices
     c = config_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices))
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
-    batch = {k: jax.ShapeDtypeStruct((c.global_batch_size, c.max_target_length),
-                                     "float32" if k == "weights" else "int32", sharding=trainer.batch_sharding)
-             for k in step_lib.BATCH_KEYS}
     hbm = hbm_per_chip * chips * c.compile_topology_num_slices / len(devices)  # per device
     advice = "try a larger ici_fsdp_parallelism, remat_policy=full, or a smaller per_device_batch_size"
     try:
         with mesh_lib.activate(trainer.mesh, trainer.rules):
-            compiled = trainer.train_step.lower(trainer.abstract_state, batch).compile()
+            compiled = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
     except Exception as e:  # the TPU compiler itself refuses programs far over HBM
         message = str(e)
         if "Ran out of memory" not in message and "RESOURCE_EXHAUSTED" not in message:

@@ -56,6 +56,12 @@ def dense_init(fan_in_axes: tuple[int, ...]):
                                             out_axis=-1)
 
 
+def dense_weight(module: nn.Module, name: str, shape, axes, fan_in=(0,)):
+    """A projection matrix: stored in weight_dtype with logical axes, used in the compute dtype."""
+    init = nn.with_logical_partitioning(dense_init(fan_in), axes)
+    return module.param(name, init, shape, module.args.weight_dtype).astype(module.args.dtype)
+
+
 class RMSNorm(nn.Module):
     args: ModelArgs
 
@@ -82,17 +88,13 @@ def rope(x_BxLxHxK, positions_BxL, theta: float):
 class Attention(nn.Module):
     args: ModelArgs
 
-    def _proj(self, name, shape, axes, fan_in):
-        init = nn.with_logical_partitioning(dense_init(fan_in), axes)
-        return self.param(name, init, shape, self.args.weight_dtype).astype(self.args.dtype)
-
     @nn.compact
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
         a = self.args
-        wq_DxHxK = self._proj("wq", (a.embed, a.heads, a.head_dim), ("embed", "heads", "head_dim"), (0,))
-        wk_DxNxK = self._proj("wk", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"), (0,))
-        wv_DxNxK = self._proj("wv", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"), (0,))
-        wo_HxKxD = self._proj("wo", (a.heads, a.head_dim, a.embed), ("heads", "head_dim", "embed"), (0, 1))
+        wq_DxHxK = dense_weight(self, "wq", (a.embed, a.heads, a.head_dim), ("embed", "heads", "head_dim"))
+        wk_DxNxK = dense_weight(self, "wk", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"))
+        wv_DxNxK = dense_weight(self, "wv", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"))
+        wo_HxKxD = dense_weight(self, "wo", (a.heads, a.head_dim, a.embed), ("heads", "head_dim", "embed"), (0, 1))
 
         q = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK), remat.QUERY)
         k = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BxLxD, wk_DxNxK), remat.KEY)
@@ -114,12 +116,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD):
         a = self.args
-        def weight(name, shape, axes):
-            init = nn.with_logical_partitioning(dense_init((0,)), axes)
-            return self.param(name, init, shape, a.weight_dtype).astype(a.dtype)
-        gate_DxF = weight("wi_gate", (a.embed, a.mlp), ("embed", "mlp"))
-        up_DxF = weight("wi_up", (a.embed, a.mlp), ("embed", "mlp"))
-        down_FxD = weight("wo", (a.mlp, a.embed), ("mlp", "embed"))
+        gate_DxF = dense_weight(self, "wi_gate", (a.embed, a.mlp), ("embed", "mlp"))
+        up_DxF = dense_weight(self, "wi_up", (a.embed, a.mlp), ("embed", "mlp"))
+        down_FxD = dense_weight(self, "wo", (a.mlp, a.embed), ("mlp", "embed"))
         gate_BxLxF = checkpoint_name(x_BxLxD @ gate_DxF, remat.MLP_IN)
         up_BxLxF = checkpoint_name(x_BxLxD @ up_DxF, remat.MLP_IN)
         h_BxLxF = constrain(nn.silu(gate_BxLxF) * up_BxLxF, ("batch", "length", "mlp"))
@@ -175,8 +174,7 @@ class Decoder(nn.Module):
         if a.tied_embeddings:
             out_DxV = embedding_VxD.T
         else:
-            out_init = nn.with_logical_partitioning(dense_init((0,)), ("embed", "vocab"))
-            out_DxV = self.param("output", out_init, (a.embed, a.vocab), a.weight_dtype)
+            out_DxV = dense_weight(self, "output", (a.embed, a.vocab), ("embed", "vocab"))
         if return_hidden:
             return x_BxLxD, out_DxV.astype(a.dtype)
         # Matmul in the compute dtype, accumulated and returned in float32.

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxtrain import mesh as mesh_lib
 from maxtrain.config import Config
 from maxtrain.model import Decoder, ModelArgs
-from maxtrain.optimizer import learning_rate_schedule, make_optimizer  # noqa: F401 (re-export)
+from maxtrain.optimizer import learning_rate_schedule, make_optimizer
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
 
@@ -90,6 +90,12 @@ class Trainer:
     train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
     eval_step: Callable[[Any, dict], dict]
     abstract_state: TrainState
+    global_batch_shape: tuple[int, int]
+
+    def abstract_batch(self) -> dict:
+        """Shapes, dtypes and shardings of one global batch, for lowering without data."""
+        return {k: jax.ShapeDtypeStruct(self.global_batch_shape, jnp.float32 if k == "weights" else jnp.int32,
+                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
 
 
 def build(c: Config, mesh) -> Trainer:
@@ -124,7 +130,7 @@ def build(c: Config, mesh) -> Trainer:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_shardings)
     return Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
-                   train_step, eval_step, abstract)
+                   train_step, eval_step, abstract, (c.global_batch_size, c.max_target_length))
 
 
 def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):

@@ -35,11 +35,8 @@ def load_config(argv: list[str], devices=None) -> config_lib.Config:
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
     say(summary.param_table(trainer))
-    batch = {k: jax.ShapeDtypeStruct((c.global_batch_size, c.max_target_length),
-                                     "float32" if k == "weights" else "int32", sharding=trainer.batch_sharding)
-             for k in step_lib.BATCH_KEYS}
     with mesh_lib.activate(trainer.mesh, trainer.rules):
-        compiled = trainer.train_step.lower(trainer.abstract_state, batch).compile()
+        compiled = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
     say("train step memory per device:", summary.format_memory(summary.memory_report(compiled)))
 
 
@@ -158,7 +155,9 @@ def train(c: config_lib.Config, devices=None) -> dict:
             done = step + 1
             if checkpointer is not None:
                 preempted = stop.received or checkpointer.reached_preemption(done)
-                checkpointer.save(done, state, batches.get_state(), force=preempted or done == c.steps)
+                force = preempted or done == c.steps
+                if force or checkpointer.due(done):  # the data state is only gathered for a save
+                    checkpointer.save(done, state, batches.get_state(), force=force)
             if pending is not None:
                 read(*pending)
             pending = (done, device_metrics)
