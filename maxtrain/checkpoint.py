@@ -97,7 +97,7 @@ class Checkpointer:
         return restored["state"], restored["data"]
 
 
-def _step_dir(path: str, key: str) -> Path:
+def step_directory(path: str, key: str) -> Path:
     p = Path(path).absolute()
     if not (p / "state").is_dir():
         raise CheckpointError(f"{key}: {p} is not a maxtrain checkpoint step directory "
@@ -107,29 +107,29 @@ def _step_dir(path: str, key: str) -> Path:
     raise CheckpointError(f"{key}: {p} has no model description (expected {p}/model)")
 
 
-def _restore_failed(key: str, p: Path, e: Exception) -> CheckpointError:
+def restore_failed(key: str, p: Path, e: Exception) -> CheckpointError:
     first_line = str(e).splitlines()[0] if str(e) else ""
     return CheckpointError(f"{key}: cannot restore {p}/state: {type(e).__name__}: {first_line}")
 
 
-def _read_model(p: Path) -> dict:
+def read_model(p: Path) -> dict:
     return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(p / "model")
 
 
 def load_full_state(c: Config, abstract_state):
     """State (params, optimizer, step) from another run's checkpoint step directory."""
-    p = _step_dir(c.load_full_state_path, "load_full_state_path")
-    check_model(_read_model(p), c, str(p))
+    p = step_directory(c.load_full_state_path, "load_full_state_path")
+    check_model(read_model(p), c, str(p))
     try:
         return ocp.StandardCheckpointer().restore(p / "state", abstract_state)
     except Exception as e:  # Orbax raises many types for unreadable data
-        raise _restore_failed("load_full_state_path", p, e) from None
+        raise restore_failed("load_full_state_path", p, e) from None
 
 
 def load_parameters(c: Config, abstract_params):
     """Parameters only (from a full-state or a parameters-only checkpoint); optimizer starts fresh."""
-    p = _step_dir(c.load_parameters_path, "load_parameters_path")
-    check_model(_read_model(p), c, str(p))
+    p = step_directory(c.load_parameters_path, "load_parameters_path")
+    check_model(read_model(p), c, str(p))
     target = {"params": abstract_params}
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                                                dtype=x.dtype), target)
@@ -138,14 +138,14 @@ def load_parameters(c: Config, abstract_params):
             p / "state", args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                                      partial_restore=True))
     except Exception as e:
-        raise _restore_failed("load_parameters_path", p, e) from None
+        raise restore_failed("load_parameters_path", p, e) from None
     return restored["params"]
 
 
 def save_parameters(path: str | Path, params, c: Config) -> None:
     """A parameters-only checkpoint step directory that load_parameters_path accepts."""
     p = Path(path).absolute()
-    with ocp.StandardCheckpointer() as saver:
-        saver.save(p / "state", {"params": params})
-        saver.wait_until_finished()
+    # Synchronous, at most 1 GB of encoded data in flight: converting a model needs little more than it.
+    saver = ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=1))
+    saver.save(p / "state", args=ocp.args.StandardSave({"params": params}))
     ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(p / "model", model_signature(c))

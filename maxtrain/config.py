@@ -23,8 +23,9 @@ MESH_AXES = ("data", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16")
 MODEL_KEYS = (
     "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
-    "base_mlp_dim", "base_num_decoder_layers", "rope_theta", "normalization_layer_epsilon",
-    "logits_via_embedding",
+    "base_mlp_dim", "base_num_decoder_layers", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+    "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
+    "logits_via_embedding", "qkv_bias",
 )
 # Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.remat.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -41,7 +42,7 @@ POSITIVE_INTS = (
     "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
     "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_num_decoder_layers",
     "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
-    "distributed_heartbeat_timeout_seconds",
+    "distributed_heartbeat_timeout_seconds", "max_new_tokens",
 )
 
 
@@ -82,6 +83,11 @@ class Config(Mapping):
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self._values)
+
+    def to_yaml(self) -> str:
+        """The declared keys only (no derived values), so the file loads again as a config."""
+        declared = _read_yaml(BASE_YML)
+        return yaml.safe_dump({k: v for k, v in self._values.items() if k in declared}, sort_keys=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +241,8 @@ def _validate(c: dict[str, Any]) -> None:
         if not 0 <= c[key] < 1:
             raise ConfigError(key, "must be in [0, 1)")
     for key in ("learning_rate", "adam_eps", "adam_weight_decay", "gradient_clipping_threshold",
-                "z_loss_multiplier", "peak_tflops_per_device", "normalization_layer_epsilon"):
+                "z_loss_multiplier", "peak_tflops_per_device", "normalization_layer_epsilon", "temperature",
+                "top_k"):
         if c[key] < 0:
             raise ConfigError(key, "must be >= 0")
     if c["loss_chunk_size"] < 0 or (c["loss_chunk_size"] and c["max_target_length"] % c["loss_chunk_size"]):
@@ -244,6 +251,12 @@ def _validate(c: dict[str, Any]) -> None:
         raise ConfigError("attention", f"splash needs max_target_length divisible by 128, got {c['max_target_length']}")
     if c["rope_theta"] <= 0:
         raise ConfigError("rope_theta", "must be > 0")
+    if c["rope_scaling_factor"] < 1:
+        raise ConfigError("rope_scaling_factor", "must be >= 1 (1 = no scaling)")
+    if c["rope_scaling_factor"] > 1 and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
+        raise ConfigError("rope_high_freq_factor", "must exceed rope_low_freq_factor, which must be > 0")
+    if c["rope_original_max_position_embeddings"] <= 0:
+        raise ConfigError("rope_original_max_position_embeddings", "must be a positive integer")
     if c["learning_rate_schedule_steps"] == 0 or c["learning_rate_schedule_steps"] < -1:
         raise ConfigError("learning_rate_schedule_steps", "must be -1 (= steps) or positive")
     for key in ("checkpoint_period", "max_num_checkpoints_to_keep"):
@@ -269,6 +282,21 @@ def _validate(c: dict[str, Any]) -> None:
         if list(sizes.values()).count(-1) > 1:
             raise ConfigError(f"{group}_*_parallelism", "at most one axis per group may be -1")
     _validate_rules(c["logical_axis_rules"])
+    _validate_prompt_ids(c["prompt_ids"], c["vocab_size"])
+
+
+def prompt_token_ids(text: str) -> list[int]:
+    return [int(t) for t in text.replace(" ", "").split(",") if t]
+
+
+def _validate_prompt_ids(text: str, vocab_size: int) -> None:
+    try:
+        ids = prompt_token_ids(text)
+    except ValueError:
+        raise ConfigError("prompt_ids", f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError("prompt_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 def _validate_rules(rules: Any) -> None:
@@ -292,6 +320,7 @@ def count_params(c: Mapping[str, Any]) -> int:
     """Parameter count from the model shape (checked against the real model in tests)."""
     d, h, kv, hd = c["base_emb_dim"], c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
     per_layer = d * hd * (2 * h + 2 * kv) + 3 * d * c["base_mlp_dim"] + 2 * d
+    per_layer += hd * (h + 2 * kv) if c["qkv_bias"] else 0
     embeddings = c["vocab_size"] * d * (1 if c["logits_via_embedding"] else 2)
     return c["base_num_decoder_layers"] * per_layer + embeddings + d
 

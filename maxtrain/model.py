@@ -31,8 +31,10 @@ class ModelArgs:
     mlp: int
     layers: int
     rope_theta: float
+    rope_scaling: tuple  # (factor, low_freq_factor, high_freq_factor, original length); factor 1 = none
     norm_eps: float
     tied_embeddings: bool
+    qkv_bias: bool
     dtype: Any
     weight_dtype: Any
     scan_layers: bool
@@ -45,8 +47,10 @@ class ModelArgs:
             vocab=c.vocab_size, embed=c.base_emb_dim, heads=c.base_num_query_heads,
             kv_heads=c.base_num_kv_heads, head_dim=c.head_dim, mlp=c.base_mlp_dim,
             layers=c.base_num_decoder_layers, rope_theta=c.rope_theta,
+            rope_scaling=(c.rope_scaling_factor, c.rope_low_freq_factor, c.rope_high_freq_factor,
+                          c.rope_original_max_position_embeddings),
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
-            dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
+            qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
             scan_layers=c.scan_layers, remat_policy=c.remat_policy, attention=c.attention)
 
 
@@ -62,6 +66,11 @@ def dense_weight(module: nn.Module, name: str, shape, axes, fan_in=(0,)):
     return module.param(name, init, shape, module.args.weight_dtype).astype(module.args.dtype)
 
 
+def bias(module: nn.Module, name: str, shape, axes):
+    init = nn.with_logical_partitioning(nn.initializers.zeros, axes)
+    return module.param(name, init, shape, module.args.weight_dtype).astype(module.args.dtype)
+
+
 class RMSNorm(nn.Module):
     args: ModelArgs
 
@@ -74,10 +83,23 @@ class RMSNorm(nn.Module):
         return (x * scale_D.astype(jnp.float32)).astype(self.args.dtype)
 
 
-def rope(x_BxLxHxK, positions_BxL, theta: float):
+def rope_frequencies(half: int, theta: float, scaling: tuple | None = None):
+    """theta^(-i/half) for i < half. With a scaling factor > 1, Llama 3.1's: wavelengths longer than
+    original/low_freq_factor slow down by `factor`, those shorter than original/high_freq_factor stay,
+    and a linear blend in between (factor 1 leaves every frequency as it is)."""
+    freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None or scaling[0] == 1.0:
+        return freq_K2
+    factor, low_freq_factor, high_freq_factor, original = scaling
+    blend = (original * freq_K2 / (2 * jnp.pi) - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blend = jnp.clip(blend, 0.0, 1.0)
+    return (1 - blend) * freq_K2 / factor + blend * freq_K2
+
+
+def rope(x_BxLxHxK, positions_BxL, theta: float, scaling: tuple | None = None):
     """Rotary embedding, half-split layout (as HF Llama): rotate (x[:K/2], x[K/2:]) pairs."""
     half = x_BxLxHxK.shape[-1] // 2
-    freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freq_K2 = rope_frequencies(half, theta, scaling)
     angle_BxLx1xK2 = (positions_BxL[:, :, None, None] * freq_K2).astype(jnp.float32)
     sin, cos = jnp.sin(angle_BxLx1xK2), jnp.cos(angle_BxLx1xK2)
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
@@ -96,11 +118,19 @@ class Attention(nn.Module):
         wv_DxNxK = dense_weight(self, "wv", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"))
         wo_HxKxD = dense_weight(self, "wo", (a.heads, a.head_dim, a.embed), ("heads", "head_dim", "embed"), (0, 1))
 
-        q = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK), remat.QUERY)
-        k = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BxLxD, wk_DxNxK), remat.KEY)
-        v = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BxLxD, wv_DxNxK), remat.VALUE)
-        q_BxLxHxK = constrain(rope(q, positions_BxL, a.rope_theta), ("batch", "length", "heads", "head_dim"))
-        k_BxLxNxK = constrain(rope(k, positions_BxL, a.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        q = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK)
+        k = jnp.einsum("bld,dnk->blnk", x_BxLxD, wk_DxNxK)
+        v = jnp.einsum("bld,dnk->blnk", x_BxLxD, wv_DxNxK)
+        if a.qkv_bias:  # Qwen2
+            q = q + bias(self, "bq", (a.heads, a.head_dim), ("heads", "head_dim"))
+            k = k + bias(self, "bk", (a.kv_heads, a.head_dim), ("kv_heads", "head_dim"))
+            v = v + bias(self, "bv", (a.kv_heads, a.head_dim), ("kv_heads", "head_dim"))
+        q, k, v = (checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY),
+                   checkpoint_name(v, remat.VALUE))
+        q_BxLxHxK = constrain(rope(q, positions_BxL, a.rope_theta, a.rope_scaling),
+                              ("batch", "length", "heads", "head_dim"))
+        k_BxLxNxK = constrain(rope(k, positions_BxL, a.rope_theta, a.rope_scaling),
+                              ("batch", "length", "kv_heads", "head_dim"))
         v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
         kernel = attention.KERNELS[a.attention]

@@ -1,4 +1,4 @@
-"""optax chain: clip by global norm -> AdamW (decay masked off norm scales), warmup + decay schedule."""
+"""optax chain: clip by global norm -> AdamW (decay masked off norms and biases), warmup + decay schedule."""
 
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ def learning_rate_schedule(c: Config) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
+NO_DECAY = ("scale", "bq", "bk", "bv")  # norm scales and attention biases
+
+
 def decay_mask(params):
-    """Weight decay on matrices only: norm scales (leaves named 'scale') are exempt."""
+    """Weight decay on matrices only: norm scales and biases are exempt."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+        lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY, params)
 
 
 def make_optimizer(c: Config) -> optax.GradientTransformation:

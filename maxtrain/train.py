@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import jax
-import yaml
 
 from maxtrain import checkpoint as ckpt_lib
 from maxtrain import config as config_lib
@@ -102,7 +101,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     run_dir = Path(c.base_output_directory) / c.run_name
     writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard)
     if writer.active:
-        (run_dir / "config.yml").write_text(yaml.safe_dump(c.to_dict(), sort_keys=False))
+        (run_dir / "config.yml").write_text(c.to_yaml())
     tokens_per_step = c.global_batch_size * c.max_target_length
     flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
     peak = metrics_lib.peak_tflops_per_device(c)

@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 
 TESTS = Path(__file__).parent
 TINY = str(TESTS / "configs" / "tiny.yml")
+SHAKESPEARE = TESTS.parent / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture
@@ -36,3 +37,18 @@ def train_tiny(tmp_path):
         c = train.load_config([TINY, f"base_output_directory={tmp_path}", *overrides], devices)
         return train.train(c, devices)
     return run
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_json(tmp_path_factory):
+    """A real tokenizer.json: a byte-level BPE trained with HF tokenizers on Tiny Shakespeare."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(SHAKESPEARE)], trainer)
+    path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+    tok.save(str(path))
+    return path

@@ -14,10 +14,10 @@ from maxtrain import data
 from maxtrain.config import ConfigError
 from maxtrain.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, make_tokenizer
 
-from conftest import TESTS
+from conftest import SHAKESPEARE, TESTS
 
 REPO = TESTS.parent
-SHAKESPEARE = REPO / "data" / "tinyshakespeare.txt"
+
 TEXT = ("dataset_type=text", "vocab_size=384", "max_target_length=16", "per_device_batch_size=1",
         "log_period=1")
 
@@ -105,21 +105,6 @@ def test_sentencepiece_with_the_llama_mistral_model():
     ids = tok.encode("To be, or not to be")
     assert ids[0] == 1 and ids[-1] == 2 and len(ids) < 12
     assert tok.decode(ids[1:-1]) == "To be, or not to be"
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer_json(tmp_path_factory):
-    """A real tokenizer.json: a byte-level BPE trained with HF tokenizers on Tiny Shakespeare."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train([str(SHAKESPEARE)], trainer)
-    path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
-    tok.save(str(path))
-    return path
 
 
 def test_huggingface_tokenizer_json(hf_tokenizer_json):

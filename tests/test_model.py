@@ -21,9 +21,9 @@ def logits(model, params, tokens, *args):
     return jax.jit(model.apply)({"params": params}, tokens, *args)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_param_count_matches_config(tiny_config, tied):
-    c = tiny_config(f"logits_via_embedding={str(tied).lower()}")
+@pytest.mark.parametrize("tied,bias", [(False, False), (True, False), (False, True)])
+def test_param_count_matches_config(tiny_config, tied, bias):
+    c = tiny_config(f"logits_via_embedding={str(tied).lower()}", f"qkv_bias={str(bias).lower()}")
     _, params, _ = build(c)
     assert sum(x.size for x in jax.tree.leaves(params)) == c.num_params == config.count_params(c)
 

@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+from maxtrain import config
+
 from conftest import TINY, TESTS
 
 REPO = TESTS.parent
@@ -43,6 +45,9 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert "ici_fsdp_parallelism: 4" in (run / "config.yml").read_text()
+    # The saved config is a config again: it loads and reproduces the run's settings.
+    again = config.load([str(run / "config.yml")])
+    assert (again.ici_fsdp_parallelism, again.steps, again.base_emb_dim) == (4, 12, 64)
 
 
 @pytest.mark.slow

@@ -1,0 +1,111 @@
+"""Text from a trained or imported model:
+
+    python -m maxtrain.generate configs/x.yml load_parameters_path=DIR prompt="To be" max_new_tokens=32
+    python -m maxtrain.generate configs/x.yml load_parameters_path=DIR prompt_ids=1,2,3 temperature=0.8 top_k=40
+
+Greedy by default. There is no KV cache yet: each new token reruns the model over one fixed-length buffer
+(prompt + max_new_tokens), so a single compiled program serves every position, and causal attention makes
+the not-yet-written tail irrelevant. Correct and simple; quadratic in the output length.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxtrain import checkpoint as ckpt_lib
+from maxtrain import config as config_lib
+from maxtrain import mesh as mesh_lib, step as step_lib, tokenizer as tokenizer_lib
+from maxtrain.train import load_config, say
+
+
+def choose(logits_V, rng, temperature: float, top_k: int):
+    """Greedy when temperature is 0; else a sample from softmax(logits / T), optionally top-k only."""
+    if temperature == 0:
+        return jnp.argmax(logits_V).astype(jnp.int32)
+    logits_V = logits_V / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits_V, top_k)[0][-1]
+        logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
+    return jax.random.categorical(rng, logits_V).astype(jnp.int32)
+
+
+def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids: list[int],
+             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+             eos_id: int | None = None) -> list[int]:
+    """New token ids after `prompt_ids` (up to max_new_tokens; stops after eos_id). Call under the mesh."""
+    start, total = len(prompt_ids), len(prompt_ids) + max_new_tokens
+    # The batch axis is sharded over data x fsdp: give every batch shard a (identical) row.
+    rows = math.prod(c.mesh_shape[a] for a in config_lib.batch_mesh_axes(c.logical_axis_rules))
+    buffer_RxT = np.zeros((rows, total), np.int32)
+    buffer_RxT[:, :start] = prompt_ids
+    buffer_RxT = jax.device_put(buffer_RxT, trainer.batch_sharding)
+
+    def step(params, buffer_RxT, position, rng):
+        hidden_RxTxD, out_DxV = trainer.model.apply({"params": params}, buffer_RxT, return_hidden=True)
+        hidden_D = jax.lax.dynamic_index_in_dim(hidden_RxTxD[0], position - 1, keepdims=False)
+        logits_V = jnp.einsum("d,dv->v", hidden_D, out_DxV, preferred_element_type=jnp.float32)
+        token = choose(logits_V, rng, temperature, top_k)
+        return buffer_RxT.at[:, position].set(token), token
+
+    step = jax.jit(step, out_shardings=(trainer.batch_sharding, mesh_lib.replicated(trainer.mesh)),
+                   donate_argnums=1)
+    rng, new = jax.random.key(seed), []
+    for position in range(start, total):
+        buffer_RxT, token = step(params, buffer_RxT, position, jax.random.fold_in(rng, position))
+        new.append(int(token))
+        if new[-1] == eos_id:
+            break
+    return new
+
+
+def run(c: config_lib.Config) -> list[int]:
+    if not c.load_parameters_path:
+        raise config_lib.ConfigError("load_parameters_path", "required: the checkpoint to generate from "
+                                     "(<run>/checkpoints/<step>, or a directory written by maxtrain.convert)")
+    if bool(c.prompt) == bool(c.prompt_ids):
+        raise config_lib.ConfigError("prompt", 'set exactly one of prompt="text" or prompt_ids=1,2,3')
+    if c.prompt_ids:  # the tokenizer is optional here: it only turns the output into text
+        prompt_ids = config_lib.prompt_token_ids(c.prompt_ids)
+        try:
+            tokenizer = tokenizer_lib.make_tokenizer(c)
+        except config_lib.ConfigError as e:
+            say(f"printing ids only, no text: {e}")
+            tokenizer = None
+    else:
+        tokenizer = tokenizer_lib.make_tokenizer(c)
+        tokenizer.add_eos = False  # a prompt is an unfinished document
+        prompt_ids = tokenizer.encode(c.prompt).tolist()
+
+    mesh = mesh_lib.make_mesh(c)
+    trainer = step_lib.build(c, mesh)
+    with mesh_lib.activate(mesh, trainer.rules):
+        params = ckpt_lib.load_parameters(c, trainer.abstract_state.params)
+        new = generate(c, trainer, params, prompt_ids, c.max_new_tokens, c.temperature, c.top_k,
+                       c.sampling_seed, tokenizer.eos_id if tokenizer else None)
+    say(f"prompt ids: {prompt_ids}")
+    say(f"generated ids: {new}")
+    if tokenizer:
+        say(f"text: {tokenizer.decode(new)!r}")
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        run(load_config(argv))
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except ckpt_lib.CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

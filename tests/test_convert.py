@@ -1,0 +1,273 @@
+"""HuggingFace interop: import/export with logits parity against transformers, greedy generation,
+fine-tuning from an imported checkpoint, and one-line refusals of what cannot be converted.
+
+HF models here are random-weight transformers models built from small configs (nothing is downloaded).
+Every tensor, norms and biases included, is randomized so each one's mapping is exercised.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+from maxtrain import checkpoint as ckpt_lib, convert, generate, mesh as mesh_lib, step as step_lib, train
+
+from conftest import SHAKESPEARE, TESTS
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256)
+VARIANTS = {
+    "llama-gqa": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, rope_theta=500000.0)),
+    "llama-tied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None, tie_word_embeddings=False)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, rope_theta=1e6)),
+    # Llama 3.1's RoPE scaling, with an original length short enough to matter on 24 tokens.
+    "llama3.1": (LlamaConfig, LlamaForCausalLM, dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+}
+TOLERANCE = 1e-4  # max abs logit difference in float32
+
+
+def random_hf_model(kind: str, randomize=True, **overrides):
+    config_cls, model_cls, extra = VARIANTS[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**SMALL, **extra, **overrides})).eval()
+    if randomize:  # HF starts norms at 1 and biases at 0, which would hide a mapping mistake
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+def load_maxtrain(config_path, *overrides, n_devices=8):
+    """(config, trainer, params) for a converted checkpoint, on n_devices (fsdp over all by default)."""
+    devices = jax.devices()[:n_devices]
+    c = train.load_config([str(config_path), *overrides], devices)
+    mesh = mesh_lib.make_mesh(c, devices)
+    trainer = step_lib.build(c, mesh)
+    with mesh_lib.activate(mesh, trainer.rules):
+        params = ckpt_lib.load_parameters(c, trainer.abstract_state.params)
+    return c, trainer, params
+
+
+def maxtrain_logits(trainer, params, tokens) -> np.ndarray:
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        return np.asarray(jax.jit(trainer.model.apply)({"params": params}, np.asarray(tokens, np.int32)))
+
+
+TOKENS = np.random.RandomState(0).randint(0, SMALL["vocab_size"], (8, 24))
+
+
+@pytest.mark.parametrize("kind,scan,hf_dtype", [
+    ("llama-gqa", True, "float32"), ("llama-gqa", False, "float32"), ("llama-tied", True, "float32"),
+    ("llama-tied", False, "float32"), ("mistral", True, "float32"), ("qwen2", True, "float32"),
+    ("qwen2", False, "float32"), ("llama3.1", True, "float32"), ("llama-gqa", True, "bfloat16")])
+def test_imported_model_gives_hf_logits(tmp_path, kind, scan, hf_dtype):
+    model = random_hf_model(kind)
+    if hf_dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")  # several shards + index
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"), overrides=(f"scan_layers={scan}",))
+    c, trainer, params = load_maxtrain(out / "maxtrain.yml")
+    assert c.scan_layers == scan and ("layers" in params) == scan
+    ours = maxtrain_logits(trainer, params, TOKENS)
+    # Reference: the saved weights (bf16 ones exactly) in a float32 model; HF's own .float() would keep
+    # the rotary frequencies rounded by the earlier .to(bfloat16).
+    ref = hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval(), TOKENS)
+    assert np.abs(ref).max() > 1.0  # a meaningful comparison, not two near-zero outputs
+    assert np.abs(ours - ref).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("kind,scan,dtype", [("llama-gqa", True, None), ("qwen2", False, None),
+                                             ("llama3.1", True, None), ("llama-tied", True, "bfloat16")])
+def test_export_reloads_in_transformers_with_identical_weights(tmp_path, kind, scan, dtype):
+    model = random_hf_model(kind)
+    model.save_pretrained(tmp_path / "hf")
+    convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"), overrides=(f"scan_layers={scan}",))
+    convert.maxtrain_to_hf(str(tmp_path / "mt"), str(tmp_path / "back"), dtype=dtype, max_shard_bytes=60_000)
+    assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert type(again) is type(model)
+    want = model.state_dict()
+    got = again.state_dict()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        expected = tensor.to(torch.bfloat16) if dtype else tensor
+        assert got[name].dtype == expected.dtype and torch.equal(got[name], expected), name
+
+
+def test_trained_checkpoint_exported_gives_the_same_logits_in_transformers(tmp_path, train_tiny):
+    result = train_tiny("enable_checkpointing=true", "steps=3", "qkv_bias=true")
+    step_dir = tmp_path / "tiny" / "checkpoints" / "3"
+    convert.maxtrain_to_hf(str(step_dir), str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == "Qwen2ForCausalLM"  # q/k/v biases
+    c = train.load_config([str(TESTS / "configs" / "tiny.yml"), "qkv_bias=true"])
+    mesh = mesh_lib.make_mesh(c)
+    trainer = step_lib.build(c, mesh)
+    tokens = np.random.RandomState(1).randint(0, c.vocab_size, (8, 32))
+    ours = maxtrain_logits(trainer, result["state"].params, tokens)
+    assert np.abs(ours - hf_logits(model, tokens)).max() <= TOLERANCE
+
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    model = random_hf_model("llama-gqa")
+    model.save_pretrained(tmp_path / "hf")
+    out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"))
+    c, trainer, params = load_maxtrain(out / "maxtrain.yml")
+    prompt = [5, 17, 90, 3, 42]
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        ours = generate.generate(c, trainer, params, prompt, 16)
+        # Sampling restricted to the single most likely token is greedy decoding again.
+        top1 = generate.generate(c, trainer, params, prompt, 16, temperature=1.0, top_k=1, seed=3)
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(ours) == 16 and ours == ref and top1 == ref
+
+
+@pytest.mark.slow
+def test_finetune_from_imported_checkpoint_on_shakespeare(tmp_path, hf_tokenizer_json):
+    # An HF model whose vocabulary is a BPE tokenizer trained on Shakespeare, shipped beside it.
+    model = random_hf_model("llama-gqa", randomize=False, vocab_size=600, bos_token_id=1, eos_token_id=2)
+    model.save_pretrained(tmp_path / "hf")
+    shutil.copy(hf_tokenizer_json, tmp_path / "hf" / "tokenizer.json")
+    cli = [sys.executable, "-m", "maxtrain.convert", "hf_to_maxtrain", "--hf_dir", str(tmp_path / "hf"),
+           "--out", str(tmp_path / "mt")]
+    done = subprocess.run(cli, capture_output=True, text=True, env=_cpu_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = (tmp_path / "mt" / "maxtrain.yml").read_text()
+    assert "tokenizer_type: huggingface" in written and "hf_bos_token: <s>" in written
+
+    devices = jax.devices()[:8]
+    c = train.load_config([str(tmp_path / "mt" / "maxtrain.yml"), "dataset_type=text", f"train_files={SHAKESPEARE}",
+                           "max_target_length=64", "per_device_batch_size=1", "steps=30", "learning_rate=3e-3",
+                           "warmup_steps_fraction=0", f"base_output_directory={tmp_path}", "log_period=10",
+                           "enable_checkpointing=false", "enable_tensorboard=false"], devices)
+    losses = np.asarray(train.train(c, devices)["losses"])
+    assert len(losses) == 30 and np.isfinite(losses).all()
+    assert losses[:3].mean() > 6.0  # starts near ln(600) = 6.4: an untrained model, as imported
+    assert losses[-5:].mean() < losses[:5].mean() - 0.5
+
+    gen = [sys.executable, "-m", "maxtrain.generate", str(tmp_path / "mt" / "maxtrain.yml"), "prompt=ROMEO:",
+           "max_new_tokens=8"]
+    done = subprocess.run(gen, capture_output=True, text=True, env=_cpu_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "generated ids: [" in done.stdout and "text: " in done.stdout
+
+
+def _cpu_env():
+    import os
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: exit 2, one line naming the tensor or key, nothing written
+
+
+def _saved(tmp_path, kind="llama-gqa", **overrides):
+    random_hf_model(kind, **overrides).save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def _edit_config(hf_dir, **changes):
+    path = hf_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def missing_tensor(tmp_path):
+    from safetensors.torch import save_file
+    model = random_hf_model("llama-gqa")
+    model.config.save_pretrained(tmp_path / "hf")
+    tensors = {k: v for k, v in model.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    return ["--hf_dir", str(tmp_path / "hf")], "model.layers.1.mlp.up_proj.weight: missing"
+
+
+def wrong_shape(tmp_path):
+    hf = _saved(tmp_path)
+    _edit_config(hf, intermediate_size=128)
+    return ["--hf_dir", str(hf)], "model.layers.0.mlp.gate_proj.weight: shape [160, 64]"
+
+
+def config_mismatch(tmp_path):
+    return ["--hf_dir", str(_saved(tmp_path)), "--config", str(TESTS / "configs" / "tiny.yml")], "vocab_size:"
+
+
+def rope_scaling(tmp_path):
+    hf = _saved(tmp_path)
+    _edit_config(hf, rope_parameters={"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0})
+    return ["--hf_dir", str(hf)], "rope type 'yarn' is not supported"
+
+
+def sliding_window(tmp_path):
+    return ["--hf_dir", str(_saved(tmp_path, "mistral", sliding_window=16))], "sliding_window=16"
+
+
+def pickle_only(tmp_path):
+    model = random_hf_model("llama-gqa")
+    model.config.save_pretrained(tmp_path / "hf")
+    torch.save(model.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
+    return ["--hf_dir", str(tmp_path / "hf")], "pickle files, which maxtrain never loads"
+
+
+def bad_key(tmp_path):
+    return ["--hf_dir", str(_saved(tmp_path)), "scan_layer=false"], "scan_layer: unknown key"
+
+
+@pytest.mark.parametrize("case", [missing_tensor, wrong_shape, config_mismatch, rope_scaling, sliding_window,
+                                  pickle_only, bad_key])
+def test_import_refusals_are_one_line_and_write_nothing(tmp_path, capsys, case):
+    args, expected = case(tmp_path)
+    capsys.readouterr()  # drop what transformers printed while writing the input
+    out = tmp_path / "out"
+    code = convert.main(["hf_to_maxtrain", *args[:2], "--out", str(out), *args[2:]])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and expected in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_export_refusals(tmp_path, capsys):
+    code = convert.main(["maxtrain_to_hf", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "not a maxtrain checkpoint step directory" in err and len(err.splitlines()) == 1
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    code = convert.main(["hf_to_maxtrain", "--hf_dir", str(tmp_path), "--out", str(tmp_path / "full")])
+    assert code == 2 and "already exists and is not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["prompt_ids=1,2"], "load_parameters_path: required"),
+    (["load_parameters_path=/nonexistent", "prompt=a", "prompt_ids=1"], "prompt: set exactly one"),
+    (["load_parameters_path=/nonexistent", "prompt_ids=1,x"], "prompt_ids: expected comma-separated"),
+    (["load_parameters_path=/nonexistent", "prompt_ids=1,999"], "prompt_ids: token id 999 is outside"),
+    (["load_parameters_path=/nonexistent", "prompt_ids=1"], "not a maxtrain checkpoint step directory"),
+])
+def test_generate_refusals(capsys, args, expected):
+    assert generate.main([str(TESTS / "configs" / "tiny.yml"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+
+
+def test_llama3_rope_frequencies_match_transformers():
+    from maxtrain.model import rope_frequencies
+    model = random_hf_model("llama3.1")
+    hf_inv_freq = model.model.rotary_emb.inv_freq.numpy()
+    ours = np.asarray(rope_frequencies(8, 500000.0, (8.0, 1.0, 4.0, 64)))
+    plain = np.asarray(rope_frequencies(8, 500000.0))
+    np.testing.assert_allclose(ours, hf_inv_freq, rtol=1e-6)
+    assert (ours < plain).sum() >= 4  # the scaling really slows the long wavelengths here
