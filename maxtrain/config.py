@@ -283,6 +283,8 @@ def _validate(c: dict[str, Any]) -> None:
             raise ConfigError(f"{group}_*_parallelism", "at most one axis per group may be -1")
     _validate_rules(c["logical_axis_rules"])
     _validate_prompt_ids(c["prompt_ids"], c["vocab_size"])
+    if c["top_k"] > c["vocab_size"]:
+        raise ConfigError("top_k", f"{c['top_k']} exceeds vocab_size={c['vocab_size']}")
 
 
 def prompt_token_ids(text: str) -> list[int]:

@@ -13,6 +13,10 @@ half-split convention, so q/k copy across unpermuted (a checkpoint in Meta's own
 permutation first: convert it to HF with transformers' script). RoPE types: default, and llama3 (Llama
 3.1's frequency scaling, maxtrain's rope_scaling_* keys).
 
+Beyond the weights: import keeps the HF config, tokenizer and generation files under <out>/hf/ and points
+the written maxtrain.yml at the tokenizer; export takes them back (from an imported directory, or from the
+one a training run started from, or --hf_source), so token ids and context length survive the round trip.
+
 Safety and memory: safetensors only (never pickle). Import reads tensors one at a time from memory maps
 into the single output copy; export restores one parameter (or one unrolled layer) at a time and writes
 one shard at a time. Everything is checked before anything is written, and the output appears under its
@@ -100,39 +104,62 @@ def layer_name(i: int, t: Tensor) -> str:
 # HF config.json <-> maxtrain model keys
 
 
-def model_keys_from_hf(hf: dict[str, Any], max_target_length: int) -> dict[str, Any]:
+def _number(hf: dict[str, Any], key: str, default: float) -> float:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConvertError(f"config.json: {key}={value!r} is not a number")
+    return float(value)
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window of any layer that slides: Mistral's sliding_window; Qwen2's only where use_sliding_window
+    is set and a layer (from max_window_layers on, or per layer_types) actually uses it."""
+    if hf.get("model_type") == "qwen2":
+        if not hf.get("use_sliding_window"):
+            return None
+        types = hf.get("layer_types") or ["sliding_attention" if i >= (hf.get("max_window_layers") or 0)
+                                          else "full_attention" for i in range(hf["num_hidden_layers"])]
+        if "sliding_attention" not in types:
+            return None
+    return hf.get("sliding_window")
+
+
+def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """maxtrain model keys for an HF config.json, or a ConvertError naming what is unsupported."""
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if not isinstance(hf.get(key), int):
-            raise ConvertError(f"config.json: {key} missing or not an integer")
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] <= 0:
+            raise ConvertError(f"config.json: {key} missing or not a positive integer")
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
         raise ConvertError(f"config.json: model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConvertError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConvertError(f"config.json: {key}=true is not supported (maxtrain has q/k/v biases only, "
                                f"as Qwen2)")
+    window = _sliding_window(hf)
+    if window is not None:
+        raise ConvertError(f"config.json: sliding_window={window} is not supported (maxtrain attends over the "
+                           f"full context; Mistral v0.2 and later have none)")
     # transformers >= 5 writes rope_parameters; older files have rope_theta and rope_scaling.
-    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
-            **(hf.get("rope_parameters") or {})}
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ConvertError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3)")
+    if _number({**hf, **rope}, "partial_rotary_factor", 1.0) != 1.0:
+        raise ConvertError("config.json: partial_rotary_factor is not supported (maxtrain rotates whole heads)")
     scaling: dict[str, Any] = {"rope_scaling_factor": 1.0}  # the other three matter only with a factor
     if rope_type == "llama3":
-        try:
-            scaling = {"rope_scaling_factor": float(rope["factor"]),
-                       "rope_low_freq_factor": float(rope["low_freq_factor"]),
-                       "rope_high_freq_factor": float(rope["high_freq_factor"]),
-                       "rope_original_max_position_embeddings": int(rope["original_max_position_embeddings"])}
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConvertError(f"config.json: llama3 rope parameters incomplete or invalid ({e})") from None
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind == "mistral") else None
-    if window is not None and window < max_target_length:
-        raise ConvertError(f"config.json: sliding_window={window} is shorter than max_target_length="
-                           f"{max_target_length}; maxtrain attends over the full context")
+        names = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+                 "rope_high_freq_factor": "high_freq_factor"}
+        scaling = {ours: _number(rope, theirs, math.nan) for ours, theirs in names.items()}
+        original = rope.get("original_max_position_embeddings")
+        if any(math.isnan(v) for v in scaling.values()) or not isinstance(original, int):
+            raise ConvertError(f"config.json: llama3 rope parameters incomplete: {rope}")
+        scaling["rope_original_max_position_embeddings"] = original
     heads = hf["num_attention_heads"]
     return {
         "vocab_size": hf["vocab_size"],
@@ -142,27 +169,34 @@ def model_keys_from_hf(hf: dict[str, Any], max_target_length: int) -> dict[str, 
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
         "base_mlp_dim": hf["intermediate_size"],
         "base_num_decoder_layers": hf["num_hidden_layers"],
-        "rope_theta": float(rope["rope_theta"]),
-        "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _number(rope, "rope_theta", _number(hf, "rope_theta", 10000.0)),
+        "normalization_layer_epsilon": _number(hf, "rms_norm_eps", 1e-6),
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": kind == "qwen2",
         **scaling,
     }
 
 
-def hf_config_from_model_keys(m: dict[str, Any], dtype: str, max_positions: int) -> dict[str, Any]:
-    """config.json for transformers: Qwen2 when the model has q/k/v biases, else Llama."""
+def hf_config_for(m: dict[str, Any], dtype: str, source: dict[str, Any] | None, max_positions: int | None):
+    """config.json for transformers. With the HF config the model was imported from (`source`), its other
+    settings (model_type, token ids, context length) carry over; without one: Qwen2 when the model has q/k/v
+    biases, else Llama, with no special token ids and a 4096 context."""
     qwen = m["qkv_bias"]
-    hf = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
-        "vocab_size": m["vocab_size"], "hidden_size": m["base_emb_dim"],
-        "intermediate_size": m["base_mlp_dim"], "num_hidden_layers": m["base_num_decoder_layers"],
-        "num_attention_heads": m["base_num_query_heads"], "num_key_value_heads": m["base_num_kv_heads"],
-        "head_dim": m["head_dim"], "hidden_act": "silu", "max_position_embeddings": max_positions,
-        "rms_norm_eps": m["normalization_layer_epsilon"], "tie_word_embeddings": m["logits_via_embedding"],
-        "dtype": dtype, "torch_dtype": dtype,
-    }
+    if source:
+        hf = dict(source)
+    else:
+        hf = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+              "model_type": "qwen2" if qwen else "llama", "hidden_act": "silu", "max_position_embeddings": 4096,
+              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+        hf |= {"use_sliding_window": False, "sliding_window": None} if qwen else {"attention_bias": False,
+                                                                                   "mlp_bias": False}
+    hf |= {"vocab_size": m["vocab_size"], "hidden_size": m["base_emb_dim"], "intermediate_size": m["base_mlp_dim"],
+           "num_hidden_layers": m["base_num_decoder_layers"], "num_attention_heads": m["base_num_query_heads"],
+           "num_key_value_heads": m["base_num_kv_heads"], "head_dim": m["head_dim"],
+           "rms_norm_eps": m["normalization_layer_epsilon"], "tie_word_embeddings": m["logits_via_embedding"],
+           "dtype": dtype, "torch_dtype": dtype}
+    if max_positions:
+        hf["max_position_embeddings"] = max_positions
     rope = {"rope_type": "default", "rope_theta": m["rope_theta"]}
     if m["rope_scaling_factor"] != 1.0:
         rope |= {"rope_type": "llama3", "factor": m["rope_scaling_factor"],
@@ -171,10 +205,6 @@ def hf_config_from_model_keys(m: dict[str, Any], dtype: str, max_positions: int)
     # Both spellings: transformers >= 5 reads rope_parameters, older releases rope_theta + rope_scaling.
     hf |= {"rope_parameters": rope, "rope_theta": m["rope_theta"],
            "rope_scaling": rope if rope["rope_type"] != "default" else None}
-    if qwen:
-        hf.update(use_sliding_window=False, sliding_window=None)
-    else:
-        hf.update(attention_bias=False, mlp_bias=False)
     return hf
 
 
@@ -196,7 +226,12 @@ class SafetensorsDir:
     def __init__(self, hf_dir: Path):
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted({hf_dir / f for f in _read_json(index).get("weight_map", {}).values()})
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConvertError(f"{index}: has no weight_map object")
+            files = sorted({hf_dir / str(f) for f in weight_map.values()})
+        elif (hf_dir / "model.safetensors").is_file():  # HF's name; ignore e.g. consolidated.safetensors
+            files = [hf_dir / "model.safetensors"]
         else:
             files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
@@ -205,7 +240,10 @@ class SafetensorsDir:
             raise ConvertError(f"{hf_dir}: no *.safetensors files{hint}")
         self.entries: dict[str, tuple[Path, int, Any, tuple[int, ...]]] = {}  # name -> (file, offset, dtype, shape)
         for path in files:
-            self.entries.update(self._read_header(path))
+            for name, entry in self._read_header(path).items():
+                if name in self.entries:
+                    raise ConvertError(f"{name}: in both {self.entries[name][0].name} and {path.name}")
+                self.entries[name] = entry
         self.shapes = {name: entry[3] for name, entry in self.entries.items()}
 
     @staticmethod
@@ -217,6 +255,8 @@ class SafetensorsDir:
                 if not 2 <= n <= size - 8:
                     raise ValueError("bad header length")
                 header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
             entries = {}
             for name, info in header.items():
                 if name == "__metadata__":
@@ -232,8 +272,8 @@ class SafetensorsDir:
             return entries
         except FileNotFoundError:
             raise ConvertError(f"{path}: listed in model.safetensors.index.json but missing") from None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConvertError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
     def get(self, name: str) -> np.ndarray:
         path, offset, dtype, shape = self.entries[name]
@@ -242,11 +282,14 @@ class SafetensorsDir:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConvertError(f"{path}: not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConvertError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: expected a JSON object")
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,18 +300,24 @@ def _as_override(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+# Files that travel with the weights: kept under <out>/hf/ at import, written beside the weights at export.
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
+                 "tokenizer_config.json", "special_tokens_map.json")
+
+
 def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overrides: tuple[str, ...] = ()) -> Path:
     hf_path, out_path = Path(hf_dir), Path(out).absolute()
     _check_out(out_path)
     hf = _read_json(hf_path / "config.json")
+    hf_keys = model_keys_from_hf(hf)
     base = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides])
-    hf_keys = model_keys_from_hf(hf, base.max_target_length)
     if config_path:  # the named config must describe this very model
         for key, value in hf_keys.items():
             if base[key] != value:
                 raise ConvertError(f"{key}: {config_path} says {base[key]!r}, {hf_path}/config.json implies {value!r}")
     c = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides,
                          *(f"{k}={_as_override(v)}" for k, v in hf_keys.items())])
+    tokenizer = tokenizer_settings(hf_path, hf, out_path / "hf")
 
     reader = SafetensorsDir(hf_path)
     whole, layer = tensor_table(hf_keys)
@@ -289,9 +338,12 @@ def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overri
     params = read_hf_params(reader, c, whole, layer)
     with _staged(out_path) as tmp:
         ckpt_lib.save_parameters(tmp, params, c)
+        (tmp / "hf").mkdir()
+        for name in HF_SIDE_FILES:
+            if (hf_path / name).is_file():
+                shutil.copy(hf_path / name, tmp / "hf" / name)
         settings = {k: c[k] for k in config_lib.MODEL_KEYS} | {"scan_layers": c.scan_layers,
-                                                               "weight_dtype": c.weight_dtype}
-        settings |= _copy_tokenizer(hf_path, hf, tmp, out_path)
+                                                               "weight_dtype": c.weight_dtype} | tokenizer
         if config_path:
             settings = {"base_config": str(Path(config_path).absolute())} | settings
         settings["load_parameters_path"] = str(out_path)
@@ -301,29 +353,41 @@ def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overri
     return out_path
 
 
+def _host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An empty array with 64-byte-aligned data: jax.device_put aliases such an array on CPU instead of
+    copying it, so a finished parameter costs no second copy."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(math.prod(shape) * dtype.itemsize + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def read_hf_params(reader: SafetensorsDir, c: config_lib.Config, whole: list[Tensor], layer: list[Tensor]):
-    """maxtrain's parameter tree, built one HF tensor at a time. Each finished parameter becomes a CPU
-    jax array (which Orbax writes without another host copy), so the peak is one model plus one tensor."""
-    dtype = np.dtype(jax.numpy.dtype(c.weight_dtype))
+    """maxtrain's parameter tree, built one HF tensor at a time from memory maps into CPU jax arrays
+    (which Orbax writes without another host copy): the peak is the model once, in weight_dtype."""
+    dtype = jax.numpy.dtype(c.weight_dtype)
     cpu = jax.local_devices(backend="cpu")[0]
+    n_layers = c.base_num_decoder_layers
+
+    def converted(t: Tensor, name: str, stacked: bool):
+        x = t.to_maxtrain(reader.get(name if not stacked else layer_name(0, t)))
+        out = _host_array((n_layers, *x.shape) if stacked else x.shape, dtype)
+        if not stacked:
+            out[...] = x
+            return jax.device_put(out, cpu)
+        for i in range(n_layers):  # one [layers, ...] array, filled layer by layer
+            out[i] = t.to_maxtrain(reader.get(layer_name(i, t)))
+        return jax.device_put(out, cpu)
+
     params: dict[str, Any] = {}
     for t in whole:
-        _put(params, t.path, jax.device_put(np.ascontiguousarray(t.to_maxtrain(reader.get(t.hf_name)), dtype), cpu))
-    n_layers = c.base_num_decoder_layers
+        _put(params, t.path, converted(t, t.hf_name, stacked=False))
     for t in layer:
-        if c.scan_layers:  # one [layers, ...] array, filled layer by layer
-            stacked = None
-            for i in range(n_layers):
-                x = t.to_maxtrain(reader.get(layer_name(i, t)))
-                if stacked is None:
-                    stacked = np.empty((n_layers, *x.shape), dtype)
-                stacked[i] = x
-            _put(params, ("layers", *t.path), jax.device_put(stacked, cpu))
-            del stacked
+        if c.scan_layers:
+            _put(params, ("layers", *t.path), converted(t, "", stacked=True))
         else:
             for i in range(n_layers):
-                x = np.ascontiguousarray(t.to_maxtrain(reader.get(layer_name(i, t))), dtype)
-                _put(params, (f"layers_{i}", *t.path), jax.device_put(x, cpu))
+                _put(params, (f"layers_{i}", *t.path), converted(t, layer_name(i, t), stacked=False))
     return params
 
 
@@ -339,19 +403,28 @@ def _get(tree: dict, path: tuple[str, ...]):
     return tree
 
 
-def _copy_tokenizer(hf_path: Path, hf: dict, tmp: Path, out_path: Path) -> dict[str, Any]:
-    """Ship the HF tokenizer with the checkpoint and point the written config at it."""
+def tokenizer_settings(hf_path: Path, hf: dict, where: Path) -> dict[str, Any]:
+    """maxtrain tokenizer keys for the HF tokenizer shipped with the model (copied to `where`)."""
     if (hf_path / "tokenizer.json").is_file():
-        shutil.copy(hf_path / "tokenizer.json", tmp / "tokenizer.json")
         import tokenizers
-        tok = tokenizers.Tokenizer.from_file(str(hf_path / "tokenizer.json"))
-        name = lambda key: tok.id_to_token(hf[key]) if isinstance(hf.get(key), int) else None  # noqa: E731
-        bos, eos = name("bos_token_id"), name("eos_token_id")
-        return {"tokenizer_type": "huggingface", "tokenizer_path": str(out_path / "tokenizer.json"),
-                "hf_bos_token": bos or "", "hf_eos_token": eos or "", "add_bos": bos is not None}
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(hf_path / "tokenizer.json"))
+        except Exception:  # the Rust side raises a bare Exception for unparseable files
+            raise ConvertError(f"{hf_path / 'tokenizer.json'}: cannot load as a HuggingFace tokenizer") from None
+
+        def token(key):  # eos_token_id may be a list (Llama 3 Instruct): the first is the document end
+            ids = hf.get(key)
+            ids = ids[0] if isinstance(ids, list) and ids else ids
+            return tok.id_to_token(ids) if isinstance(ids, int) else None
+        bos, eos = token("bos_token_id"), token("eos_token_id")
+        tc_path = hf_path / "tokenizer_config.json"
+        tc = _read_json(tc_path) if tc_path.is_file() else {}
+        add_bos = tc["add_bos_token"] if isinstance(tc.get("add_bos_token"), bool) else (
+            bos is not None and tc.get("bos_token", bos) is not None)  # Qwen2: bos_token null, none added
+        return {"tokenizer_type": "huggingface", "tokenizer_path": str(where / "tokenizer.json"),
+                "hf_bos_token": bos or "", "hf_eos_token": eos or "", "add_bos": add_bos}
     if (hf_path / "tokenizer.model").is_file():
-        shutil.copy(hf_path / "tokenizer.model", tmp / "tokenizer.model")
-        return {"tokenizer_type": "sentencepiece", "tokenizer_path": str(out_path / "tokenizer.model")}
+        return {"tokenizer_type": "sentencepiece", "tokenizer_path": str(where / "tokenizer.model")}
     return {}
 
 
@@ -391,12 +464,38 @@ class CheckpointParams:
         return _get(restored["params"], path)
 
 
-def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_positions: int = 4096,
-                   max_shard_bytes: int = 2 << 30) -> Path:
+def find_hf_source(step_dir: Path) -> Path | None:
+    """The HF files an imported model came with (<import>/hf/): in an imported directory itself, or in the
+    one a training run started from (its <run>/config.yml's load_parameters_path)."""
+    if (step_dir / "hf" / "config.json").is_file():
+        return step_dir / "hf"
+    run_config = step_dir.parent.parent / "config.yml"
+    try:
+        origin = (yaml.safe_load(run_config.read_text()) or {}).get("load_parameters_path")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if origin and (Path(origin) / "hf" / "config.json").is_file():
+        return Path(origin) / "hf"
+    return None
+
+
+def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_positions: int | None = None,
+                   max_shard_bytes: int = 2 << 30, hf_source: str | None = None) -> Path:
     out_path = Path(out).absolute()
     _check_out(out_path)
     ckpt = CheckpointParams(checkpoint)
     m = ckpt.signature
+    if m["base_emb_dim"] % m["base_num_query_heads"]:  # transformers' configs refuse this
+        raise ConvertError(f"base_emb_dim={m['base_emb_dim']} is not divisible by base_num_query_heads="
+                           f"{m['base_num_query_heads']}: transformers cannot load such a Llama")
+    source_dir = Path(hf_source) if hf_source else find_hf_source(ckpt.step_dir)
+    source = _read_json(source_dir / "config.json") if source_dir else None
+    if source:
+        theirs = model_keys_from_hf(source)
+        differ = [k for k, v in theirs.items() if k in m and m[k] != v]
+        if differ:
+            raise ConvertError(f"--hf_source {source_dir}: {differ[0]} differs (HF config {theirs[differ[0]]!r}, "
+                               f"checkpoint {m[differ[0]]!r})")
     dtype = dtype or np.dtype(ckpt.metadata["embedding"].dtype).name
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     whole, layer = tensor_table(m)
@@ -434,7 +533,10 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
         if current or not shard_names:
             flush()
         _name_shards(tmp, shard_names)
-        hf = hf_config_from_model_keys(m, dtype, max_positions)
+        for name in HF_SIDE_FILES[1:]:  # tokenizer and generation settings; config.json is written below
+            if source_dir and (source_dir / name).is_file():
+                shutil.copy(source_dir / name, tmp / name)
+        hf = hf_config_for(m, dtype, source, max_positions)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out_path
 
@@ -490,9 +592,10 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--checkpoint", required=True, help="<run>/checkpoints/<step> or a converted directory")
     exp.add_argument("--out", required=True)
     exp.add_argument("--dtype", choices=config_lib.DTYPES, help="default: the checkpoint's parameter dtype")
-    exp.add_argument("--max_position_embeddings", type=int, default=4096)
-    exp.add_argument("--max_shard_mb", type=int, default=2048, help="safetensors file size limit (memory: "
-                     "the model plus about two shards)")
+    exp.add_argument("--hf_source", help="HF directory whose other settings and tokenizer files to carry over "
+                     "(default: found from an imported checkpoint or a run that started from one)")
+    exp.add_argument("--max_position_embeddings", type=int, help="default: the HF source's, else 4096")
+    exp.add_argument("--max_shard_mb", type=int, default=2048, help="safetensors file size limit")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf_to_maxtrain":
@@ -500,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out} (load it with load_parameters_path={out}; config: {out}/maxtrain.yml)")
         else:
             out = maxtrain_to_hf(args.checkpoint, args.out, args.dtype, args.max_position_embeddings,
-                                 args.max_shard_mb << 20)
+                                 args.max_shard_mb << 20, args.hf_source)
             print(f"wrote {out} (transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     except config_lib.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

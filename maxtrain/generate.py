@@ -39,6 +39,8 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
              eos_id: int | None = None) -> list[int]:
     """New token ids after `prompt_ids` (up to max_new_tokens; stops after eos_id). Call under the mesh."""
     start, total = len(prompt_ids), len(prompt_ids) + max_new_tokens
+    if c.attention == "splash":  # the kernel's blocks need a multiple of 128; the tail is never attended
+        total = -(-total // 128) * 128
     # The batch axis is sharded over data x fsdp: give every batch shard a (identical) row.
     rows = math.prod(c.mesh_shape[a] for a in config_lib.batch_mesh_axes(c.logical_axis_rules))
     buffer_RxT = np.zeros((rows, total), np.int32)
@@ -55,7 +57,7 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
     step = jax.jit(step, out_shardings=(trainer.batch_sharding, mesh_lib.replicated(trainer.mesh)),
                    donate_argnums=1)
     rng, new = jax.random.key(seed), []
-    for position in range(start, total):
+    for position in range(start, start + max_new_tokens):
         buffer_RxT, token = step(params, buffer_RxT, position, jax.random.fold_in(rng, position))
         new.append(int(token))
         if new[-1] == eos_id:
@@ -80,6 +82,8 @@ def run(c: config_lib.Config) -> list[int]:
         tokenizer = tokenizer_lib.make_tokenizer(c)
         tokenizer.add_eos = False  # a prompt is an unfinished document
         prompt_ids = tokenizer.encode(c.prompt).tolist()
+    if not prompt_ids:
+        raise config_lib.ConfigError("prompt_ids" if c.prompt_ids else "prompt", "gives no tokens to start from")
 
     mesh = mesh_lib.make_mesh(c)
     trainer = step_lib.build(c, mesh)

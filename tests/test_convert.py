@@ -27,7 +27,11 @@ VARIANTS = {
     "llama-gqa": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, rope_theta=500000.0)),
     "llama-tied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True, num_key_value_heads=4)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None, tie_word_embeddings=False)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, rope_theta=1e6)),
+    # Heads wider than hidden_size / heads: catches a swapped D and H*K in the q/o reshapes.
+    "llama-wide-heads": (LlamaConfig, LlamaForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
+    # use_sliding_window with every layer below max_window_layers: no layer slides (as in Qwen2.5 configs).
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
+                                                  sliding_window=8, max_window_layers=2)),
     # Llama 3.1's RoPE scaling, with an original length short enough to matter on 24 tokens.
     "llama3.1": (LlamaConfig, LlamaForCausalLM, dict(rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -74,7 +78,8 @@ TOKENS = np.random.RandomState(0).randint(0, SMALL["vocab_size"], (8, 24))
 @pytest.mark.parametrize("kind,scan,hf_dtype", [
     ("llama-gqa", True, "float32"), ("llama-gqa", False, "float32"), ("llama-tied", True, "float32"),
     ("llama-tied", False, "float32"), ("mistral", True, "float32"), ("qwen2", True, "float32"),
-    ("qwen2", False, "float32"), ("llama3.1", True, "float32"), ("llama-gqa", True, "bfloat16")])
+    ("qwen2", False, "float32"), ("llama3.1", True, "float32"), ("llama-wide-heads", True, "float32"),
+    ("llama-gqa", True, "bfloat16")])
 def test_imported_model_gives_hf_logits(tmp_path, kind, scan, hf_dtype):
     model = random_hf_model(kind)
     if hf_dtype == "bfloat16":
@@ -92,22 +97,27 @@ def test_imported_model_gives_hf_logits(tmp_path, kind, scan, hf_dtype):
     assert np.abs(ours - ref).max() <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind,scan,dtype", [("llama-gqa", True, None), ("qwen2", False, None),
-                                             ("llama3.1", True, None), ("llama-tied", True, "bfloat16")])
-def test_export_reloads_in_transformers_with_identical_weights(tmp_path, kind, scan, dtype):
-    model = random_hf_model(kind)
+@pytest.mark.parametrize("kind,scan,weight_dtype", [("llama-gqa", True, "float32"), ("qwen2", False, "float32"),
+                                                    ("llama3.1", True, "float32"), ("llama-tied", True, "bfloat16")])
+def test_export_reloads_in_transformers_with_identical_weights(tmp_path, kind, scan, weight_dtype):
+    model = random_hf_model(kind, bos_token_id=7, eos_token_id=[8, 9])
     model.save_pretrained(tmp_path / "hf")
-    convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"), overrides=(f"scan_layers={scan}",))
-    convert.maxtrain_to_hf(str(tmp_path / "mt"), str(tmp_path / "back"), dtype=dtype, max_shard_bytes=60_000)
+    convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"),
+                           overrides=(f"scan_layers={scan}", f"weight_dtype={weight_dtype}"))
+    convert.maxtrain_to_hf(str(tmp_path / "mt"), str(tmp_path / "back"), max_shard_bytes=60_000)
     assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(again) is type(model)
-    want = model.state_dict()
-    got = again.state_dict()
+    # What maxtrain does not model travels with the import: token ids, context length.
+    assert (again.config.bos_token_id, again.config.eos_token_id) == (7, [8, 9])
+    assert again.config.max_position_embeddings == SMALL["max_position_embeddings"]
+    want, got = model.state_dict(), again.state_dict()
     assert set(got) == set(want)
     for name, tensor in want.items():
-        expected = tensor.to(torch.bfloat16) if dtype else tensor
+        expected = tensor.to(torch.bfloat16) if weight_dtype == "bfloat16" else tensor
         assert got[name].dtype == expected.dtype and torch.equal(got[name], expected), name
+    if weight_dtype == "float32":  # and the config describes the same function
+        np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(model, TOKENS))
 
 
 def test_trained_checkpoint_exported_gives_the_same_logits_in_transformers(tmp_path, train_tiny):
@@ -122,6 +132,7 @@ def test_trained_checkpoint_exported_gives_the_same_logits_in_transformers(tmp_p
     tokens = np.random.RandomState(1).randint(0, c.vocab_size, (8, 32))
     ours = maxtrain_logits(trainer, result["state"].params, tokens)
     assert np.abs(ours - hf_logits(model, tokens)).max() <= TOLERANCE
+    assert model.config.eos_token_id is None  # trained from scratch: no HF source to take token ids from
 
 
 def test_greedy_generation_matches_transformers(tmp_path):
@@ -134,9 +145,12 @@ def test_greedy_generation_matches_transformers(tmp_path):
         ours = generate.generate(c, trainer, params, prompt, 16)
         # Sampling restricted to the single most likely token is greedy decoding again.
         top1 = generate.generate(c, trainer, params, prompt, 16, temperature=1.0, top_k=1, seed=3)
+        eos = ours[5]  # stops right after the first time it produces the end-of-sequence token
+        stopped = generate.generate(c, trainer, params, prompt, 16, eos_id=eos)
     ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(prompt):].tolist()
     assert len(ours) == 16 and ours == ref and top1 == ref
+    assert stopped == ref[:ref.index(eos) + 1]
 
 
 @pytest.mark.slow
@@ -156,7 +170,7 @@ def test_finetune_from_imported_checkpoint_on_shakespeare(tmp_path, hf_tokenizer
     c = train.load_config([str(tmp_path / "mt" / "maxtrain.yml"), "dataset_type=text", f"train_files={SHAKESPEARE}",
                            "max_target_length=64", "per_device_batch_size=1", "steps=30", "learning_rate=3e-3",
                            "warmup_steps_fraction=0", f"base_output_directory={tmp_path}", "log_period=10",
-                           "enable_checkpointing=false", "enable_tensorboard=false"], devices)
+                           "checkpoint_period=30", "enable_tensorboard=false"], devices)
     losses = np.asarray(train.train(c, devices)["losses"])
     assert len(losses) == 30 and np.isfinite(losses).all()
     assert losses[:3].mean() > 6.0  # starts near ln(600) = 6.4: an untrained model, as imported
@@ -167,6 +181,13 @@ def test_finetune_from_imported_checkpoint_on_shakespeare(tmp_path, hf_tokenizer
     done = subprocess.run(gen, capture_output=True, text=True, env=_cpu_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert "generated ids: [" in done.stdout and "text: " in done.stdout
+
+    # The trained run goes back to HF with the tokenizer and token ids of the model it started from.
+    assert convert.main(["maxtrain_to_hf", "--checkpoint", str(tmp_path / "default" / "checkpoints" / "30"),
+                         "--out", str(tmp_path / "back")]) == 0
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert (back.config.bos_token_id, back.config.eos_token_id) == (1, 2)
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == hf_tokenizer_json.read_bytes()
 
 
 def _cpu_env():
@@ -214,7 +235,7 @@ def rope_scaling(tmp_path):
 
 
 def sliding_window(tmp_path):
-    return ["--hf_dir", str(_saved(tmp_path, "mistral", sliding_window=16))], "sliding_window=16"
+    return ["--hf_dir", str(_saved(tmp_path, "mistral", sliding_window=4096))], "sliding_window=4096 is not supported"
 
 
 def pickle_only(tmp_path):
@@ -255,6 +276,8 @@ def test_export_refusals(tmp_path, capsys):
     (["load_parameters_path=/nonexistent", "prompt=a", "prompt_ids=1"], "prompt: set exactly one"),
     (["load_parameters_path=/nonexistent", "prompt_ids=1,x"], "prompt_ids: expected comma-separated"),
     (["load_parameters_path=/nonexistent", "prompt_ids=1,999"], "prompt_ids: token id 999 is outside"),
+    (["load_parameters_path=/nonexistent", "prompt_ids=,"], "prompt_ids: gives no tokens"),
+    (["load_parameters_path=/nonexistent", "prompt_ids=1", "top_k=300"], "top_k: 300 exceeds vocab_size=256"),
     (["load_parameters_path=/nonexistent", "prompt_ids=1"], "not a maxtrain checkpoint step directory"),
 ])
 def test_generate_refusals(capsys, args, expected):
