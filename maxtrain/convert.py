@@ -369,25 +369,27 @@ def read_hf_params(reader: SafetensorsDir, c: config_lib.Config, whole: list[Ten
     cpu = jax.local_devices(backend="cpu")[0]
     n_layers = c.base_num_decoder_layers
 
-    def converted(t: Tensor, name: str, stacked: bool):
-        x = t.to_maxtrain(reader.get(name if not stacked else layer_name(0, t)))
-        out = _host_array((n_layers, *x.shape) if stacked else x.shape, dtype)
-        if not stacked:
-            out[...] = x
-            return jax.device_put(out, cpu)
-        for i in range(n_layers):  # one [layers, ...] array, filled layer by layer
-            out[i] = t.to_maxtrain(reader.get(layer_name(i, t)))
-        return jax.device_put(out, cpu)
+    def load(t: Tensor, names: list[str], stack: bool):
+        """One parameter from its HF tensor, or from one per layer stacked on a leading `layers` axis."""
+        first = t.to_maxtrain(reader.get(names[0]))
+        out = _host_array((len(names), *first.shape) if stack else first.shape, dtype)
+        if stack:  # layer by layer into the stacked array
+            for i, name in enumerate(names):
+                out[i] = first if i == 0 else t.to_maxtrain(reader.get(name))
+        else:
+            out[...] = first
+        return jax.device_put(out, cpu)  # aliases `out`: no copy
 
     params: dict[str, Any] = {}
     for t in whole:
-        _put(params, t.path, converted(t, t.hf_name, stacked=False))
+        _put(params, t.path, load(t, [t.hf_name], stack=False))
     for t in layer:
+        names = [layer_name(i, t) for i in range(n_layers)]
         if c.scan_layers:
-            _put(params, ("layers", *t.path), converted(t, "", stacked=True))
+            _put(params, ("layers", *t.path), load(t, names, stack=True))
         else:
-            for i in range(n_layers):
-                _put(params, (f"layers_{i}", *t.path), converted(t, layer_name(i, t), stacked=False))
+            for i, name in enumerate(names):
+                _put(params, (f"layers_{i}", *t.path), load(t, [name], stack=False))
     return params
 
 
