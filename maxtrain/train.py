@@ -6,6 +6,7 @@ argv -> config -> mesh -> sharded init -> loop (step N+1 queued before step N's 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
@@ -28,6 +29,9 @@ def load_config(argv: list[str], devices=None) -> config_lib.Config:
     """Parse and validate, start jax.distributed if the run is multi-process, then fit the mesh."""
     c = config_lib.load(argv)
     distributed.initialize(c)  # before anything touches devices
+    if c.compilation_cache_dir:  # a rerun of the same program loads its executables instead of compiling
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     devices = devices or jax.devices()
     return config_lib.with_devices(c, len(devices), mesh_lib.num_slices(devices))
 

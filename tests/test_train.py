@@ -67,3 +67,20 @@ def test_readme_quickstart_commands(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     losses = [json.loads(x)["train/loss"] for x in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_compilation_cache_is_filled_and_gives_the_same_losses(tmp_path):
+    cache = tmp_path / "xla_cache"
+
+    def losses(run, *extra):
+        proc = run_cli(TINY, f"run_name={run}", f"base_output_directory={tmp_path}", "steps=3", *extra, devices=2)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return [line.split("| loss ")[1].split()[0] for line in proc.stdout.splitlines() if "| loss " in line]
+
+    cold = losses("cold", f"compilation_cache_dir={cache}")
+    entries = sorted(p.name for p in cache.iterdir())
+    assert any(name.startswith("jit_step-") for name in entries), entries  # the train step's executable
+    warm = losses("warm", f"compilation_cache_dir={cache}")  # loads the step instead of compiling it
+    plain = losses("plain", "compilation_cache_dir=")
+    assert cold == warm == plain and len(cold) == 3
