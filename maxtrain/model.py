@@ -40,6 +40,7 @@ class ModelArgs:
     scan_layers: bool
     remat_policy: str
     attention: str
+    logits_dot_in_fp32: bool
 
     @classmethod
     def from_config(cls, c) -> "ModelArgs":
@@ -51,7 +52,8 @@ class ModelArgs:
                           c.rope_original_max_position_embeddings),
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
             qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
-            scan_layers=c.scan_layers, remat_policy=c.remat_policy, attention=c.attention)
+            scan_layers=c.scan_layers, remat_policy=c.remat_policy, attention=c.attention,
+            logits_dot_in_fp32=c.logits_dot_in_fp32)
 
 
 def dense_init(fan_in_axes: tuple[int, ...]):
@@ -207,10 +209,16 @@ class Decoder(nn.Module):
             out_DxV = dense_weight(self, "output", (a.embed, a.vocab), ("embed", "vocab"))
         if return_hidden:
             return x_BxLxD, out_DxV.astype(a.dtype)
-        # Matmul in the compute dtype, accumulated and returned in float32.
-        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV.astype(a.dtype),
-                                  preferred_element_type=jnp.float32)
+        logits_BxLxV = output_logits(x_BxLxD, out_DxV.astype(a.dtype), a.logits_dot_in_fp32)
         return constrain(logits_BxLxV, ("batch", "length", "vocab"))
+
+
+def output_logits(x_BxLxD, out_DxV, dot_in_fp32: bool):
+    """float32 logits from a matmul in the compute dtype: its output in float32, or rounded to the
+    compute dtype and then cast (half the memory traffic; faster where float32 output is costly)."""
+    if dot_in_fp32:
+        return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV, preferred_element_type=jnp.float32)
+    return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV).astype(jnp.float32)
 
 
 def unstack_layers(params: dict, num_layers: int) -> dict:

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain import mesh as mesh_lib
 from maxtrain.config import Config
-from maxtrain.model import Decoder, ModelArgs
+from maxtrain.model import Decoder, ModelArgs, output_logits
 from maxtrain.optimizer import learning_rate_schedule, make_optimizer
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
@@ -39,7 +39,7 @@ def _cross_entropy_sums(logits_BxLxV, targets_BxL, weights_BxL):
     return jnp.sum((log_z_BxL - target_logit_BxL) * weights_BxL), jnp.sum(jnp.square(log_z_BxL) * weights_BxL)
 
 
-def chunked_cross_entropy_sums(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int):
+def chunked_cross_entropy_sums(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, dot_in_fp32: bool):
     """The same sums, forming logits for `chunk` positions at a time: the [B,L,V] float32 logits
     (and their gradient) never exist whole. Each chunk is rematerialized in the backward pass."""
     b, length, d = x_BxLxD.shape
@@ -49,7 +49,7 @@ def chunked_cross_entropy_sums(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk
     @jax.checkpoint
     def body(carry, xs):
         x_BxCxD, targets_BxC, weights_BxC = xs
-        logits_BxCxV = jnp.einsum("bcd,dv->bcv", x_BxCxD, out_DxV, preferred_element_type=jnp.float32)
+        logits_BxCxV = output_logits(x_BxCxD, out_DxV, dot_in_fp32)
         logits_BxCxV = nn.with_logical_constraint(logits_BxCxV, ("batch", "length", "vocab"))
         ce, z = _cross_entropy_sums(logits_BxCxV, targets_BxC, weights_BxC)
         return (carry[0] + ce, carry[1] + z), None
@@ -69,7 +69,7 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
     if loss_chunk_size:
         x_BxLxD, out_DxV = model.apply({"params": params}, *inputs, return_hidden=True)
         ce_sum, z_sum = chunked_cross_entropy_sums(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
-                                                   loss_chunk_size)
+                                                   loss_chunk_size, model.args.logits_dot_in_fp32)
     else:
         logits_BxLxV = model.apply({"params": params}, *inputs)
         ce_sum, z_sum = _cross_entropy_sums(logits_BxLxV, batch["targets"], weights_BxL)

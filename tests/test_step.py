@@ -119,3 +119,25 @@ def test_loss_chunk_size_must_divide_length(tiny_config):
     with pytest.raises(ConfigError) as e:
         tiny_config("loss_chunk_size=5")
     assert e.value.key == "loss_chunk_size"
+
+
+def test_logits_in_compute_dtype_gives_the_same_loss(tiny_config):
+    """logits_dot_in_fp32=false rounds bf16 logits once before the float32 loss: the same loss to bf16
+    precision, full and chunked; with float32 compute nothing changes at all."""
+    devices = jax.devices()[:1]
+    batch = data.synthetic_batch(0, seed=0, batch=2, length=32, vocab=256)
+
+    def loss(*overrides):
+        c = tiny_config(*overrides, devices=devices)
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            params = trainer.init(jax.random.key(0)).params
+            total, aux = jax.jit(lambda p: step_lib.loss_fn(p, trainer.model, batch, 0.0, c.loss_chunk_size))(params)
+        return float(aux["loss_sum"] / aux["tokens"])
+
+    for chunk in ("loss_chunk_size=0", "loss_chunk_size=8"):
+        bf16 = [loss("dtype=bfloat16", f"logits_dot_in_fp32={v}", chunk) for v in ("true", "false")]
+        np.testing.assert_allclose(bf16[1], bf16[0], rtol=2e-3)
+        assert bf16[0] != bf16[1]  # the setting does take effect
+        f32 = [loss("dtype=float32", f"logits_dot_in_fp32={v}", chunk) for v in ("true", "false")]
+        assert f32[0] == f32[1]
