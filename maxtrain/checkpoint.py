@@ -17,13 +17,14 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from maxtrain.config import MODEL_KEYS, Config
+from maxtrain.config import MODEL_KEYS, Config, UserError
 
 log = logging.getLogger("maxtrain")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used as asked; the CLI prints it as one line and exits 2."""
+    kind = "checkpoint"
 
 
 def model_signature(c: Config) -> dict[str, Any]:

@@ -84,14 +84,13 @@ def compile_for(c_static: config_lib.Config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def run():
         c = config_lib.load(argv)
         if not c.compile_topology:
             raise config_lib.ConfigError("compile_topology", "name a topology to compile for, e.g. v5p-128")
         return compile_for(c)
-    except config_lib.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    return config_lib.exit_code(run)
 
 
 if __name__ == "__main__":

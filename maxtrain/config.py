@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,25 @@ POSITIVE_INTS = (
 )
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Bad input a user can fix: every entry point prints it as `<kind> error: <message>`, exit code 2."""
+    kind = "input"
+
+
+def exit_code(run: Callable[[], Any]) -> int:
+    """Runs an entry point: a UserError is one line on stderr and exit code 2, never a traceback; an int
+    that `run` returns is the exit code."""
+    try:
+        result = run()
+    except UserError as e:
+        print(f"{e.kind} error: {e}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) else 0
+
+
+class ConfigError(UserError, ValueError):
     """A user-fixable config problem; `str()` is the one line the CLI prints."""
+    kind = "config"
 
     def __init__(self, key: str, message: str):
         super().__init__(f"{key}: {message}")

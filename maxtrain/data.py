@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from grain import experimental as grain_exp
 
-from maxtrain.config import Config, ConfigError
+from maxtrain.config import Config, ConfigError, UserError
 from maxtrain.tokenizer import Tokenizer, make_tokenizer
 
 
-class DataError(RuntimeError):
+class DataError(UserError, RuntimeError):
     """A data file that is missing or unreadable; the message names the file."""
+    kind = "data"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import numpy as np
 from maxtrain import checkpoint as ckpt_lib
 from maxtrain import config as config_lib
 from maxtrain import mesh as mesh_lib, step as step_lib, tokenizer as tokenizer_lib
+from maxtrain.model import output_logits
 from maxtrain.train import load_config, say
 
 
@@ -49,8 +50,8 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
 
     def step(params, buffer_RxT, position, rng):
         hidden_RxTxD, out_DxV = trainer.model.apply({"params": params}, buffer_RxT, return_hidden=True)
-        hidden_D = jax.lax.dynamic_index_in_dim(hidden_RxTxD[0], position - 1, keepdims=False)
-        logits_V = jnp.einsum("d,dv->v", hidden_D, out_DxV, preferred_element_type=jnp.float32)
+        hidden_1x1xD = jax.lax.dynamic_slice_in_dim(hidden_RxTxD[:1], position - 1, 1, axis=1)
+        logits_V = output_logits(hidden_1x1xD, out_DxV, c.logits_dot_in_fp32)[0, 0]
         token = choose(logits_V, rng, temperature, top_k)
         return buffer_RxT.at[:, position].set(token), token
 
@@ -100,15 +101,7 @@ def run(c: config_lib.Config) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        run(load_config(argv))
-    except config_lib.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except ckpt_lib.CheckpointError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return config_lib.exit_code(lambda: run(load_config(argv)))
 
 
 if __name__ == "__main__":

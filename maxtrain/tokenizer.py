@@ -84,6 +84,9 @@ class HuggingFaceTokenizer(Tokenizer):
     def decode(self, ids):
         return self._tok.decode([int(i) for i in ids])
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
 
 def make_tokenizer(c: Config) -> Tokenizer:
     if c.tokenizer_type == "byte":

@@ -191,18 +191,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        train(load_config(argv))
-    except config_lib.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except data.DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
-    except ckpt_lib.CheckpointError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return config_lib.exit_code(lambda: train(load_config(argv)))
 
 
 if __name__ == "__main__":
