@@ -263,8 +263,9 @@ def _validate(c: dict[str, Any]) -> None:
                 "top_k"):
         if c[key] < 0:
             raise ConfigError(key, "must be >= 0")
-    if c["loss_chunk_size"] < 0 or (c["loss_chunk_size"] and c["max_target_length"] % c["loss_chunk_size"]):
-        raise ConfigError("loss_chunk_size", f"must be 0 or divide max_target_length={c['max_target_length']}")
+    for key in ("loss_chunk_size", "mlp_chunk_size"):
+        if c[key] < 0 or (c[key] and c["max_target_length"] % c[key]):
+            raise ConfigError(key, f"must be 0 or divide max_target_length={c['max_target_length']}")
     if c["attention"] == "splash" and c["max_target_length"] % 128:
         raise ConfigError("attention", f"splash needs max_target_length divisible by 128, got {c['max_target_length']}")
     if c["rope_theta"] <= 0:

@@ -39,6 +39,7 @@ class ModelArgs:
     weight_dtype: Any
     scan_layers: bool
     remat_policy: str
+    mlp_chunk: int  # 0 = the whole sequence at once
     attention: str
     logits_dot_in_fp32: bool
 
@@ -52,7 +53,8 @@ class ModelArgs:
                           c.rope_original_max_position_embeddings),
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
             qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
-            scan_layers=c.scan_layers, remat_policy=c.remat_policy, attention=c.attention,
+            scan_layers=c.scan_layers, remat_policy=c.remat_policy, mlp_chunk=c.mlp_chunk_size,
+            attention=c.attention,
             logits_dot_in_fp32=c.logits_dot_in_fp32)
 
 
@@ -62,10 +64,11 @@ def dense_init(fan_in_axes: tuple[int, ...]):
                                             out_axis=-1)
 
 
-def dense_weight(module: nn.Module, name: str, shape, axes, fan_in=(0,)):
+def dense_weight(module: nn.Module, name: str, shape, axes, fan_in=(0,), stored_dtype=False):
     """A projection matrix: stored in weight_dtype with logical axes, used in the compute dtype."""
     init = nn.with_logical_partitioning(dense_init(fan_in), axes)
-    return module.param(name, init, shape, module.args.weight_dtype).astype(module.args.dtype)
+    w = module.param(name, init, shape, module.args.weight_dtype)
+    return w if stored_dtype else w.astype(module.args.dtype)
 
 
 def bias(module: nn.Module, name: str, shape, axes):
@@ -151,10 +154,22 @@ class MLP(nn.Module):
         gate_DxF = dense_weight(self, "wi_gate", (a.embed, a.mlp), ("embed", "mlp"))
         up_DxF = dense_weight(self, "wi_up", (a.embed, a.mlp), ("embed", "mlp"))
         down_FxD = dense_weight(self, "wo", (a.mlp, a.embed), ("mlp", "embed"))
-        gate_BxLxF = checkpoint_name(x_BxLxD @ gate_DxF, remat.MLP_IN)
-        up_BxLxF = checkpoint_name(x_BxLxD @ up_DxF, remat.MLP_IN)
-        h_BxLxF = constrain(nn.silu(gate_BxLxF) * up_BxLxF, ("batch", "length", "mlp"))
-        return checkpoint_name(h_BxLxF @ down_FxD, remat.MLP_OUT)
+
+        def mlp(x_BxCxD):
+            gate_BxCxF = checkpoint_name(x_BxCxD @ gate_DxF, remat.MLP_IN)
+            up_BxCxF = checkpoint_name(x_BxCxD @ up_DxF, remat.MLP_IN)
+            h_BxCxF = constrain(nn.silu(gate_BxCxF) * up_BxCxF, ("batch", "length", "mlp"))
+            return checkpoint_name(h_BxCxF @ down_FxD, remat.MLP_OUT)
+
+        b, length, d = x_BxLxD.shape
+        if not a.mlp_chunk or length % a.mlp_chunk or length == a.mlp_chunk:
+            return mlp(x_BxLxD)
+        # Long sequences: `mlp_chunk` positions at a time, each chunk rematerialized under the layer's
+        # policy, so the [B,L,F] intermediates (and their gradients) exist one chunk at a time.
+        if a.remat_policy != "none":
+            mlp = jax.checkpoint(mlp, policy=remat.POLICIES[a.remat_policy])
+        x_NxBxCxD = x_BxLxD.reshape(b, length // a.mlp_chunk, a.mlp_chunk, d).swapaxes(0, 1)
+        return jax.lax.map(mlp, x_NxBxCxD).swapaxes(0, 1).reshape(b, length, d)
 
 
 class DecoderLayer(nn.Module):
@@ -176,8 +191,8 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, return_hidden=False):
-        """Logits [B,L,V] in float32; with return_hidden, (final hidden [B,L,D], output matrix [D,V])
-        so the loss can form the logits chunk by chunk."""
+        """Logits [B,L,V] in float32; with return_hidden, (final hidden [B,L,D], output matrix [D,V] in
+        its stored dtype) so the loss can form the logits chunk by chunk."""
         a = self.args
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
@@ -206,16 +221,17 @@ class Decoder(nn.Module):
         if a.tied_embeddings:
             out_DxV = embedding_VxD.T
         else:
-            out_DxV = dense_weight(self, "output", (a.embed, a.vocab), ("embed", "vocab"))
+            out_DxV = dense_weight(self, "output", (a.embed, a.vocab), ("embed", "vocab"), stored_dtype=True)
         if return_hidden:
-            return x_BxLxD, out_DxV.astype(a.dtype)
-        logits_BxLxV = output_logits(x_BxLxD, out_DxV.astype(a.dtype), a.logits_dot_in_fp32)
+            return x_BxLxD, out_DxV
+        logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32)
         return constrain(logits_BxLxV, ("batch", "length", "vocab"))
 
 
 def output_logits(x_BxLxD, out_DxV, dot_in_fp32: bool):
-    """float32 logits from a matmul in the compute dtype: its output in float32, or rounded to the
-    compute dtype and then cast (half the memory traffic; faster where float32 output is costly)."""
+    """float32 logits from a matmul in x's (the compute) dtype: its output in float32, or rounded to
+    the compute dtype and then cast (half the memory traffic; faster where float32 output is costly)."""
+    out_DxV = out_DxV.astype(x_BxLxD.dtype)
     if dot_in_fp32:
         return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV, preferred_element_type=jnp.float32)
     return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV).astype(jnp.float32)

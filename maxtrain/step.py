@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain import mesh as mesh_lib
+from maxtrain import loss, mesh as mesh_lib
 from maxtrain.config import Config
-from maxtrain.model import Decoder, ModelArgs, output_logits
+from maxtrain.model import Decoder, ModelArgs
 from maxtrain.optimizer import learning_rate_schedule, make_optimizer
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
@@ -32,33 +32,6 @@ class TrainState:
     opt_state: Any
 
 
-def _cross_entropy_sums(logits_BxLxV, targets_BxL, weights_BxL):
-    """(summed masked cross-entropy, summed log(Z)^2) of float32 logits."""
-    log_z_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
-    target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_z_BxL - target_logit_BxL) * weights_BxL), jnp.sum(jnp.square(log_z_BxL) * weights_BxL)
-
-
-def chunked_cross_entropy_sums(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, dot_in_fp32: bool):
-    """The same sums, forming logits for `chunk` positions at a time: the [B,L,V] float32 logits
-    (and their gradient) never exist whole. Each chunk is rematerialized in the backward pass."""
-    b, length, d = x_BxLxD.shape
-    n = length // chunk
-    split = lambda x: x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
-
-    @jax.checkpoint
-    def body(carry, xs):
-        x_BxCxD, targets_BxC, weights_BxC = xs
-        logits_BxCxV = output_logits(x_BxCxD, out_DxV, dot_in_fp32)
-        logits_BxCxV = nn.with_logical_constraint(logits_BxCxV, ("batch", "length", "vocab"))
-        ce, z = _cross_entropy_sums(logits_BxCxV, targets_BxC, weights_BxC)
-        return (carry[0] + ce, carry[1] + z), None
-
-    (ce, z), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())),
-                              (split(x_BxLxD), split(targets_BxL), split(weights_BxL)))
-    return ce, z
-
-
 def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0, loss_chunk_size: int = 0):
     """Summed masked cross-entropy (+ optional z-loss) and the number of target tokens.
 
@@ -68,11 +41,11 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
     weights_BxL = batch["weights"].astype(jnp.float32)
     if loss_chunk_size:
         x_BxLxD, out_DxV = model.apply({"params": params}, *inputs, return_hidden=True)
-        ce_sum, z_sum = chunked_cross_entropy_sums(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
+        ce_sum, z_sum = loss.chunked_cross_entropy_sums(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
                                                    loss_chunk_size, model.args.logits_dot_in_fp32)
     else:
         logits_BxLxV = model.apply({"params": params}, *inputs)
-        ce_sum, z_sum = _cross_entropy_sums(logits_BxLxV, batch["targets"], weights_BxL)
+        ce_sum, z_sum = loss.cross_entropy_sums(logits_BxLxV, batch["targets"], weights_BxL)
     total = ce_sum + z_loss_multiplier * z_sum
     return total, {"loss_sum": ce_sum, "tokens": jnp.sum(weights_BxL)}
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from maxtrain import data, mesh as mesh_lib, step as step_lib
 from maxtrain.optimizer import decay_mask, learning_rate_schedule
@@ -42,10 +43,10 @@ def test_gradient_accumulation_single_device(tiny_config):
         np.testing.assert_allclose(a, b, atol=1e-8)
 
 
-def one_device_setup(tiny_config, masked_from: int):
+def one_device_setup(tiny_config, masked_from: int, overrides=()):
     """Tiny trainer and params on one device, and a batch of 2 whose targets from `masked_from` on
     have weight 0."""
-    c = tiny_config(devices=jax.devices()[:1])
+    c = tiny_config(*overrides, devices=jax.devices()[:1])
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()[:1]))
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         params = trainer.init(jax.random.key(0)).params
@@ -97,8 +98,9 @@ def test_clipping_is_in_the_chain(tiny_config):
     assert optax.tree.norm(updates) < 1.0
 
 
-def test_chunked_cross_entropy_equals_full_logits(tiny_config):
-    trainer, params, batch = one_device_setup(tiny_config, masked_from=20)
+@pytest.mark.parametrize("tied", ["false", "true"])
+def test_chunked_cross_entropy_equals_full_logits(tiny_config, tied):
+    trainer, params, batch = one_device_setup(tiny_config, masked_from=20, overrides=(f"logits_via_embedding={tied}",))
 
     def loss_and_grads(chunk):
         f = lambda p: step_lib.loss_fn(p, trainer.model, batch, 1e-3, chunk)  # noqa: E731
@@ -111,6 +113,44 @@ def test_chunked_cross_entropy_equals_full_logits(tiny_config):
     # Summed (not mean) gradients, accumulated in another order: float32 rounding, rtol 1e-5.
     for a, b in zip(jax.tree.leaves(full_grads), jax.tree.leaves(chunked_grads)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def grads_on(tiny_config, devices, *overrides, dtype="float32"):
+    """(loss, float32 gradients) of one synthetic batch of 8 x 32, params from seed 0."""
+    c = tiny_config(f"dtype={dtype}", "z_loss_multiplier=1e-3", *overrides, devices=devices)
+    trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+    batch = data.synthetic_batch(0, seed=0, batch=8, length=32, vocab=256)
+    batch["weights"] = batch["weights"].at[:, 24:].set(0.0)
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        params = trainer.init(jax.random.key(0)).params
+        batch = jax.device_put(batch, trainer.batch_sharding)
+        f = lambda p: step_lib.loss_fn(p, trainer.model, batch, c.z_loss_multiplier, c.loss_chunk_size)[0]  # noqa: E731
+        loss, grads = jax.jit(jax.value_and_grad(f))(params)
+    return float(loss), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal", "none"])
+def test_memory_levers_give_the_same_loss_and_gradients(tiny_config, policy):
+    """loss_chunk_size (hand-written backward, output gradient reduce-scattered chunk by chunk) and
+    mlp_chunk_size, sharded over fsdp x tensor, against the plain path on one device."""
+    plain = grads_on(tiny_config, jax.devices()[:1], f"remat_policy={policy}")
+    mesh = ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
+    chunked = grads_on(tiny_config, jax.devices()[:4], f"remat_policy={policy}", *mesh,
+                       "loss_chunk_size=8", "mlp_chunk_size=8")
+    np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(chunked[1])):  # summed: up to ~10
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(a).max()))
+
+
+def test_memory_levers_in_bfloat16(tiny_config):
+    """The same in bfloat16 compute: float32 gradients of float32 weights, equal to bf16 rounding."""
+    devices = jax.devices()[:1]
+    plain = grads_on(tiny_config, devices, dtype="bfloat16")
+    chunked = grads_on(tiny_config, devices, "loss_chunk_size=8", "mlp_chunk_size=16", dtype="bfloat16")
+    np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-2)
+    for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(chunked[1])):
+        assert b.dtype == np.float32
+        np.testing.assert_allclose(b, a, rtol=0.1, atol=0.02 * np.abs(a).max())
 
 
 def test_loss_chunk_size_must_divide_length(tiny_config):
