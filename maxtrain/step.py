@@ -39,13 +39,9 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
     """
     inputs = (batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
     weights_BxL = batch["weights"].astype(jnp.float32)
-    if loss_chunk_size:
-        x_BxLxD, out_DxV = model.apply({"params": params}, *inputs, return_hidden=True)
-        ce_sum, z_sum = loss.chunked_cross_entropy_sums(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
-                                                   loss_chunk_size, model.args.logits_dot_in_fp32)
-    else:
-        logits_BxLxV = model.apply({"params": params}, *inputs)
-        ce_sum, z_sum = loss.cross_entropy_sums(logits_BxLxV, batch["targets"], weights_BxL)
+    x_BxLxD, out_DxV = model.apply({"params": params}, *inputs, return_hidden=True)
+    ce_sum, z_sum = loss.cross_entropy_sums(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
+                                            loss_chunk_size or x_BxLxD.shape[1], model.args.logits_dot_in_fp32)
     total = ce_sum + z_loss_multiplier * z_sum
     return total, {"loss_sum": ce_sum, "tokens": jnp.sum(weights_BxL)}
 
