@@ -40,9 +40,9 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
     inputs = (batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
     weights_BxL = batch["weights"].astype(jnp.float32)
     x_BxLxD, out_DxV = model.apply({"params": params}, *inputs, return_hidden=True)
-    ce_sum, z_sum = loss.cross_entropy_sums(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
-                                            loss_chunk_size or x_BxLxD.shape[1], model.args.logits_dot_in_fp32)
-    total = ce_sum + z_loss_multiplier * z_sum
+    total, ce_sum = loss.cross_entropy_loss(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
+                                            loss_chunk_size or x_BxLxD.shape[1], model.args.logits_dot_in_fp32,
+                                            z_loss_multiplier)
     return total, {"loss_sum": ce_sum, "tokens": jnp.sum(weights_BxL)}
 
 
