@@ -53,9 +53,7 @@ import jax
 from maxtrain import data, mesh as mesh_lib, metrics, step as step_lib, train
 steps = int(sys.argv[1]); c = train.load_config(sys.argv[2:])
 peak = metrics.measure_cpu_peak_tflops(size=2048) / jax.local_device_count()
-a = jax.numpy.ones((2048, 2048), jax.numpy.bfloat16); mm = jax.jit(lambda x, y: x @ y); mm(a, a).block_until_ready()
-t0 = time.perf_counter(); [mm(a, a).block_until_ready() for _ in range(3)]
-peak_bf16 = 3 * 2 * 2048**3 / (time.perf_counter() - t0) / 1e12 / jax.local_device_count()
+peak_bf16 = metrics.measure_cpu_peak_tflops(size=2048, dtype=jax.numpy.bfloat16) / jax.local_device_count()
 mesh = mesh_lib.make_mesh(c); t = step_lib.build(c, mesh)
 with mesh_lib.activate(mesh, t.rules):
     state = t.init(jax.random.key(0)); batches = data.make_iterator(c, t.batch_sharding)

@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from maxtrain.config import MODEL_KEYS, Config, UserError
+from maxtrain.config import MODEL_KEYS, Config
+from maxtrain.errors import UserError
 
 log = logging.getLogger("maxtrain")
 

@@ -21,7 +21,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-from maxtrain import config as config_lib, mesh as mesh_lib, metrics, step as step_lib, summary  # noqa: E402
+from maxtrain import config as config_lib, errors, mesh as mesh_lib, metrics, step as step_lib, summary  # noqa: E402
 
 # HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
 CHIPS = {"v4": (32.0, 2, 3), "v5p": (95.0, 2, 3), "v5e": (16.0, 1, 2), "v6e": (32.0, 1, 2)}
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if not c.compile_topology:
             raise config_lib.ConfigError("compile_topology", "name a topology to compile for, e.g. v5p-128")
         return compile_for(c)
-    return config_lib.exit_code(run)
+    return errors.exit_code(run)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import difflib
 import math
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from maxtrain.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_YML = CONFIG_DIR / "base.yml"
@@ -45,22 +46,6 @@ POSITIVE_INTS = (
     "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
     "distributed_heartbeat_timeout_seconds", "max_new_tokens",
 )
-
-
-class UserError(Exception):
-    """Bad input a user can fix: every entry point prints it as `<kind> error: <message>`, exit code 2."""
-    kind = "input"
-
-
-def exit_code(run: Callable[[], Any]) -> int:
-    """Runs an entry point: a UserError is one line on stderr and exit code 2, never a traceback; an int
-    that `run` returns is the exit code."""
-    try:
-        result = run()
-    except UserError as e:
-        print(f"{e.kind} error: {e}", file=sys.stderr)
-        return 2
-    return result if isinstance(result, int) else 0
 
 
 class ConfigError(UserError, ValueError):

@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib
+from maxtrain import config as config_lib, errors
 from maxtrain.hf_format import (HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for, layer_name,
                                 model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
 
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             out = maxtrain_to_hf(args.checkpoint, args.out, args.dtype, args.max_position_embeddings,
                                  args.max_shard_mb << 20, args.hf_source)
             print(f"wrote {out} (transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
-    return config_lib.exit_code(run)
+    return errors.exit_code(run)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from grain import experimental as grain_exp
 
-from maxtrain.config import Config, ConfigError, UserError
+from maxtrain.config import Config, ConfigError
+from maxtrain.errors import UserError
 from maxtrain.tokenizer import Tokenizer, make_tokenizer
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib
+from maxtrain import config as config_lib, errors
 from maxtrain import mesh as mesh_lib, step as step_lib, tokenizer as tokenizer_lib
 from maxtrain.model import output_logits
 from maxtrain.train import load_config, say
@@ -101,7 +101,7 @@ def run(c: config_lib.Config) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return config_lib.exit_code(lambda: run(load_config(argv)))
+    return errors.exit_code(lambda: run(load_config(argv)))
 
 
 if __name__ == "__main__":

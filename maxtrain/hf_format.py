@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from maxtrain import tokenizer as tokenizer_lib
-from maxtrain.config import UserError
+from maxtrain.errors import UserError
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 

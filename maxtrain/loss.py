@@ -12,14 +12,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxtrain.model import output_logits
+from maxtrain.model import merge_chunks, output_logits, split_chunks
 
 
 def cross_entropy_sums_from_logits(logits_BxLxV, targets_BxL, weights_BxL):
-    """The sums from float32 logits (autodiff differentiates this: the reference)."""
+    """(summed cross-entropy, summed log(Z)^2) from float32 logits (autodiff through this: the reference)."""
+    return _sums(logits_BxLxV, targets_BxL, weights_BxL)[1:]
+
+
+def _sums(logits_BxLxV, targets_BxL, weights_BxL):
+    """log Z, and the summed masked cross-entropy and log(Z)^2."""
     log_z_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
     target_logit_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_z_BxL - target_logit_BxL) * weights_BxL), jnp.sum(jnp.square(log_z_BxL) * weights_BxL)
+    ce = jnp.sum((log_z_BxL - target_logit_BxL) * weights_BxL)
+    return log_z_BxL, ce, jnp.sum(jnp.square(log_z_BxL) * weights_BxL)
 
 
 def cross_entropy_loss(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, dot_in_fp32: bool,
@@ -41,25 +47,11 @@ def cross_entropy_loss(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, d
     return total, jax.lax.stop_gradient(ce_sum)  # the backward ignores ce_sum's cotangent
 
 
-def _split(x_BxL, chunk):
-    """[B, L, ...] -> [L/chunk, B, chunk, ...], the chunks a scan walks through."""
-    b, length = x_BxL.shape[:2]
-    return x_BxL.reshape(b, length // chunk, chunk, *x_BxL.shape[2:]).swapaxes(0, 1)
-
-
-def _merge(x_NxBxC):
-    n, b, chunk = x_NxBxC.shape[:3]
-    return x_NxBxC.swapaxes(0, 1).reshape(b, n * chunk, *x_NxBxC.shape[3:])
-
-
 def _chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC, dot_in_fp32):
     """One chunk's float32 logits, log Z, and summed cross-entropy and log(Z)^2."""
     logits_BxCxV = output_logits(x_BxCxD, w_DxV, dot_in_fp32)
     logits_BxCxV = nn.with_logical_constraint(logits_BxCxV, ("batch", "length", "vocab"))
-    log_z_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-    target_logit_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
-    ce = jnp.sum((log_z_BxC - target_logit_BxC) * weights_BxC)
-    return logits_BxCxV, log_z_BxC, ce, jnp.sum(jnp.square(log_z_BxC) * weights_BxC)
+    return (logits_BxCxV, *_sums(logits_BxCxV, targets_BxC, weights_BxC))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -71,7 +63,7 @@ def _fused(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_BxL,
         _, _, ce, z = _chunk_sums(xs[0], w_DxV, xs[1], xs[2], dot_in_fp32)
         return (sums[0] + ce, sums[1] + z), None
 
-    chunks = (_split(x_BxLxD, chunk), _split(targets_BxL, chunk), _split(weights_BxL, chunk))
+    chunks = (split_chunks(x_BxLxD, chunk), split_chunks(targets_BxL, chunk), split_chunks(weights_BxL, chunk))
     (ce, z), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), chunks)
     return ce + z_loss_multiplier * z, ce
 
@@ -96,9 +88,9 @@ def _fused_fwd(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_
         return (ce_sum + ce, z_sum + z, d_out_DxV + d_w_DxV.astype(out_DxV.dtype)), d_x_BxCxD
 
     zeros_DxV = nn.with_logical_constraint(jnp.zeros_like(out_DxV), ("embed", "vocab"))
-    chunks = (_split(x_BxLxD, chunk), _split(targets_BxL, chunk), _split(weights_BxL, chunk))
+    chunks = (split_chunks(x_BxLxD, chunk), split_chunks(targets_BxL, chunk), split_chunks(weights_BxL, chunk))
     (ce, z, d_out_DxV), d_x_NxBxCxD = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(()), zeros_DxV), chunks)
-    return (ce + z_loss_multiplier * z, ce), (_merge(d_x_NxBxCxD), d_out_DxV)
+    return (ce + z_loss_multiplier * z, ce), (merge_chunks(d_x_NxBxCxD), d_out_DxV)
 
 
 def _fused_bwd(chunk, dot_in_fp32, z_loss_multiplier, residuals, cotangents):

@@ -34,9 +34,9 @@ def train_flops_per_step(c: Config) -> float:
     return 3.0 * forward_flops(c, c.global_batch_size * c.max_target_length)
 
 
-def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
-    """Best float32 matmul rate of one device, a stand-in for a CPU's peak."""
-    a = jnp.ones((size, size), jnp.float32)
+def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:
+    """Best matmul rate (float32 by default) of one device, a stand-in for a CPU's peak."""
+    a = jnp.ones((size, size), dtype)
     matmul = jax.jit(lambda x, y: x @ y)
     matmul(a, a).block_until_ready()
     best = float("inf")

@@ -161,15 +161,14 @@ class MLP(nn.Module):
             h_BxCxF = constrain(nn.silu(gate_BxCxF) * up_BxCxF, ("batch", "length", "mlp"))
             return checkpoint_name(h_BxCxF @ down_FxD, remat.MLP_OUT)
 
-        b, length, d = x_BxLxD.shape
+        length = x_BxLxD.shape[1]
         if not a.mlp_chunk or length % a.mlp_chunk or length == a.mlp_chunk:
             return mlp(x_BxLxD)
         # Long sequences: `mlp_chunk` positions at a time, each chunk rematerialized under the layer's
         # policy, so the [B,L,F] intermediates (and their gradients) exist one chunk at a time.
         if a.remat_policy != "none":
             mlp = jax.checkpoint(mlp, policy=remat.POLICIES[a.remat_policy])
-        x_NxBxCxD = x_BxLxD.reshape(b, length // a.mlp_chunk, a.mlp_chunk, d).swapaxes(0, 1)
-        return jax.lax.map(mlp, x_NxBxCxD).swapaxes(0, 1).reshape(b, length, d)
+        return merge_chunks(jax.lax.map(mlp, split_chunks(x_BxLxD, a.mlp_chunk)))
 
 
 class DecoderLayer(nn.Module):
@@ -235,6 +234,18 @@ def output_logits(x_BxLxD, out_DxV, dot_in_fp32: bool):
     if dot_in_fp32:
         return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV, preferred_element_type=jnp.float32)
     return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV).astype(jnp.float32)
+
+
+def split_chunks(x_BxL, chunk: int):
+    """[B, L, ...] -> [L/chunk, B, chunk, ...]: chunks of positions for a scan or map to walk through."""
+    b, length = x_BxL.shape[:2]
+    return x_BxL.reshape(b, length // chunk, chunk, *x_BxL.shape[2:]).swapaxes(0, 1)
+
+
+def merge_chunks(x_NxBxC):
+    """The inverse of split_chunks."""
+    n, b, chunk = x_NxBxC.shape[:3]
+    return x_NxBxC.swapaxes(0, 1).reshape(b, n * chunk, *x_NxBxC.shape[3:])
 
 
 def unstack_layers(params: dict, num_layers: int) -> dict:

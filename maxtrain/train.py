@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib
+from maxtrain import config as config_lib, errors
 from maxtrain import data, distributed, mesh as mesh_lib, metrics as metrics_lib, step as step_lib, summary
 
 
@@ -191,7 +191,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return config_lib.exit_code(lambda: train(load_config(argv)))
+    return errors.exit_code(lambda: train(load_config(argv)))
 
 
 if __name__ == "__main__":
