@@ -1,12 +1,21 @@
 """maxtrain against MaxText's figures for the same work (issue #7's table), on this machine, in one run.
 
-    python benchmarks/compare.py [--steps 5] [--skip-aot] [--rows small,medium,...]
+    python benchmarks/compare.py [--steps 5] [--skip-aot] [--rows small,medium,...] [--maxtext PYTHON]
 
 Each CPU row runs in its own subprocess (fake device counts differ), one after another, with synthetic
 data: s/step is the mean over `--steps` steps after two warm-up steps; MFU is model FLOPs per second
 (remat recompute not counted) over the float32 matmul peak measured in the same subprocess. The AOT
-rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures were
-measured on this kind of machine (2 CPU cores, jax 0.10.2) and are quoted, not re-run.
+rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures from the
+issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted.
+
+`--maxtext PYTHON` also runs MaxText itself on each CPU row, right after maxtrain, on this machine:
+PYTHON is an interpreter with MaxText installed. MaxText needs Python >= 3.12, so, for example:
+
+    python3.12 -m venv /tmp/mt && /tmp/mt/bin/pip install "maxtext[tpu]==0.2.4" jax==0.10.2 jaxlib==0.10.2
+    python benchmarks/compare.py --maxtext /tmp/mt/bin/python
+
+MaxText logs the wall time between step dispatches; its s/step is the mean of those after three steps
+(compile, and a first step that only queued), over `--steps` steps.
 """
 
 import argparse
@@ -38,6 +47,11 @@ ROWS = [
     ("medium", MEDIUM, 1, 4, 6.22, 331),
     ("medium remat minimal", MEDIUM + ["remat_policy=minimal"], 1, 4, 5.53, 371),
 ]
+# MaxText's own keys for the same work (its model keys are the ones above): the llama2 block, synthetic
+# data, plain dot-product attention, nothing written.
+MAXTEXT_ARGS = ["hardware=cpu", "skip_jax_distributed_system=true", "model_name=default", "decoder_block=llama2",
+                "attention=dot_product", "dataset_type=synthetic", "enable_checkpointing=false",
+                "async_checkpointing=false", "enable_tensorboard=false", "jax_cache_dir=", "ici_fsdp_parallelism=-1"]
 AOT = [
     ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
     ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
@@ -79,6 +93,25 @@ def run_row(overrides, devices, batch, steps, extra):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_maxtext_row(python, overrides, devices, batch, steps):
+    """MaxText's s/step on the same row, or a short reason it did not run."""
+    find = "import maxtext, os; print(os.path.dirname(maxtext.__file__))"
+    where = subprocess.run([python, "-c", find], capture_output=True, text=True)
+    if where.returncode:
+        return f"no maxtext in {python}"
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    with tempfile.TemporaryDirectory() as out:
+        args = [str(Path(where.stdout.strip()) / "configs" / "base.yml"), *overrides, *MAXTEXT_ARGS,
+                f"per_device_batch_size={batch / devices:g}", f"steps={steps + 3}", f"base_output_directory={out}",
+                "run_name=compare"]
+        proc = subprocess.run([python, "-u", "-m", "maxtext.trainers.pre_train.train", *args], capture_output=True,
+                              text=True, env=env, cwd=out)
+    seconds = [float(s) for n, s in re.findall(r"completed step: (\d+), seconds: ([0-9.]+)", proc.stdout + proc.stderr)
+               if int(n) >= 3]
+    return sum(seconds) / len(seconds) if seconds else f"MaxText failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
+
+
 def startup_seconds(extra, cache_dir):
     """Process start to the first completed step of the small config, as a user runs it."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
@@ -110,26 +143,31 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-aot", action="store_true")
     parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    parser.add_argument("--maxtext", metavar="PYTHON", help="also run MaxText on each CPU row, with this interpreter")
     args, extra = parser.parse_known_args()  # extra key=value overrides apply to every row
     wanted = set(args.rows.split(",")) if args.rows else None
     print(f"{time.strftime('%Y-%m-%d')} | {os.cpu_count()} CPU cores | overrides: {' '.join(extra) or '(none)'}")
-    print("| workload | maxtrain s/step | tokens/s | MFU | MaxText s/step | MaxText tokens/s | ratio "
-          "| MFU 1.2x needs | matmul peak f32 / bf16 GFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | maxtrain s/step | tokens/s | MFU | MaxText s/step (issue) | MaxText tokens/s | ratio "
+          "| MFU 1.2x needs | matmul peak f32 / bf16 GFLOP/s | MaxText s/step here | ratio here |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, overrides, devices, batch, mt_sec, mt_tps in ROWS:
         if wanted and name not in wanted:
             continue
         r = run_row(overrides, devices, batch, args.steps, extra)
         ratio = r["tokens_per_second"] / mt_tps
+        here = ""
+        if args.maxtext:
+            mt_here = run_maxtext_row(args.maxtext, overrides, devices, batch, args.steps)
+            here = f"{mt_here:.3f} | {mt_here / r['seconds']:.2f}x" if isinstance(mt_here, float) else f"{mt_here} |"
         # MFU (against the float32 peak) that 1.2x MaxText's tokens/s would take on this machine.
         print(f"| {name} | {r['seconds']:.3f} | {r['tokens_per_second']:,.0f} | {100 * r['mfu']:.0f}% | "
               f"{mt_sec:.2f} | {mt_tps:,} | {ratio:.2f}x | {120 * r['mfu'] / ratio:.0f}% | "
-              f"{1e3 * r['peak']:.0f} / {1e3 * r['peak_bf16']:.0f} |", flush=True)
+              f"{1e3 * r['peak']:.0f} / {1e3 * r['peak_bf16']:.0f} | {here or ' |'} |", flush=True)
     if not wanted or "startup" in wanted:
         with tempfile.TemporaryDirectory() as cache:  # an empty compilation cache, then the same one again
             for name in ("cold: empty compilation cache", "warm: the compilation cache of the run before"):
                 s = startup_seconds(extra, cache)
-                print(f"| startup to first step (small), {name} | {s:.1f} s | | | 15-20 s | | {17.5 / s:.2f}x | | |",
+                print(f"| startup to first step (small), {name} | {s:.1f} s | | | 15-20 s | | {17.5 / s:.2f}x | | | | |",
                       flush=True)
     if args.skip_aot:
         return

@@ -60,10 +60,11 @@ class SyntheticIterator:
     """Generates each batch on device, already sharded; its whole state is the step."""
 
     def __init__(self, c: Config, batch_sharding):
+        # Integer-only arithmetic, so XLA's cheapest optimization level gives the same bits, sooner.
         self._make = jax.jit(
             functools.partial(synthetic_batch, seed=c.data_shuffle_seed, batch=c.global_batch_size,
                               length=c.max_target_length, vocab=c.vocab_size),
-            out_shardings=batch_sharding)
+            out_shardings=batch_sharding, compiler_options={"xla_backend_optimization_level": 0})
         self.step = 0
 
     def __iter__(self):

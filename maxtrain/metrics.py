@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +59,22 @@ def peak_tflops_per_device(c: Config) -> float:
     return measure_cpu_peak_tflops() / jax.local_device_count()
 
 
+def _import_tensorboardx():
+    """tensorboardX, without the `import torch` it tries at import time (2 s, to accept torch tensors).
+
+    We only log Python floats. `torch` is hidden only while tensorboardX loads; later imports are normal.
+    """
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        import tensorboardX
+        return tensorboardX
+    sys.modules["torch"] = None  # a None entry makes `import torch` raise ImportError
+    try:
+        import tensorboardX
+    finally:
+        del sys.modules["torch"]
+    return tensorboardX
+
+
 class MetricsWriter:
     """One line to stdout per log, JSONL and tensorboardX under the run directory (process 0 only)."""
 
@@ -68,8 +85,7 @@ class MetricsWriter:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(run_dir / "metrics.jsonl", "a")
             if enable_tensorboard:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self._tb = _import_tensorboardx().SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
         if not self.active:

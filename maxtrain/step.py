@@ -66,6 +66,15 @@ class Trainer:
         return {k: jax.ShapeDtypeStruct(self.global_batch_shape, jnp.float32 if k == "weights" else jnp.int32,
                                         sharding=self.batch_sharding) for k in BATCH_KEYS}
 
+    def compile_train_step(self):
+        """`train_step` compiled ahead of time for the state and batch layout, without any data.
+
+        Safe on a thread: the loop runs it while the state is initialized, and calling the result
+        with anything of another shape or sharding is an error rather than a silent recompile.
+        """
+        with mesh_lib.activate(self.mesh, self.rules):
+            return self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
+
 
 def build(c: Config, mesh) -> Trainer:
     model = Decoder(ModelArgs.from_config(c))
