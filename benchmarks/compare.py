@@ -93,39 +93,60 @@ def run_row(overrides, devices, batch, steps, extra):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_maxtext_row(python, overrides, devices, batch, steps):
-    """MaxText's s/step on the same row, or a short reason it did not run."""
+def maxtext_command(python, overrides, devices, batch, steps, out, extra=()):
+    """(argv, env) that run MaxText's trainer on a row, or None where PYTHON has no maxtext."""
     find = "import maxtext, os; print(os.path.dirname(maxtext.__file__))"
     where = subprocess.run([python, "-c", find], capture_output=True, text=True)
     if where.returncode:
-        return f"no maxtext in {python}"
+        return None
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                TF_CPP_MIN_LOG_LEVEL="2")
+    args = [str(Path(where.stdout.strip()) / "configs" / "base.yml"), *overrides, *MAXTEXT_ARGS,
+            f"per_device_batch_size={batch / devices:g}", f"steps={steps}", f"base_output_directory={out}",
+            "run_name=compare", *extra]
+    return [python, "-u", "-m", "maxtext.trainers.pre_train.train", *args], env
+
+
+def run_maxtext_row(python, overrides, devices, batch, steps):
+    """MaxText's s/step on the same row, or a short reason it did not run."""
     with tempfile.TemporaryDirectory() as out:
-        args = [str(Path(where.stdout.strip()) / "configs" / "base.yml"), *overrides, *MAXTEXT_ARGS,
-                f"per_device_batch_size={batch / devices:g}", f"steps={steps + 3}", f"base_output_directory={out}",
-                "run_name=compare"]
-        proc = subprocess.run([python, "-u", "-m", "maxtext.trainers.pre_train.train", *args], capture_output=True,
-                              text=True, env=env, cwd=out)
+        command = maxtext_command(python, overrides, devices, batch, steps + 3, out)
+        if command is None:
+            return f"no maxtext in {python}"
+        proc = subprocess.run(command[0], capture_output=True, text=True, env=command[1], cwd=out)
     seconds = [float(s) for n, s in re.findall(r"completed step: (\d+), seconds: ([0-9.]+)", proc.stdout + proc.stderr)
                if int(n) >= 3]
     return sum(seconds) / len(seconds) if seconds else f"MaxText failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
 
 
+def seconds_to_line(command, env, cwd, prefix):
+    """Wall time from process start to its first output line that starts with `prefix`."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    seconds = float("nan")
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            seconds = time.perf_counter() - t0
+            break
+    proc.kill()
+    proc.wait()
+    return seconds
+
+
 def startup_seconds(extra, cache_dir):
     """Process start to the first completed step of the small config, as a user runs it."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.train", BASE, *SMALL, "per_device_batch_size=4",
-                             "steps=1", "enable_checkpointing=false", "base_output_directory=/tmp/maxtrain_compare",
-                             "peak_tflops_per_device=1", f"compilation_cache_dir={cache_dir}", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
-    for line in proc.stdout:
-        if line.startswith("first step"):
-            seconds = time.perf_counter() - t0
-            break
-    proc.wait()
-    return seconds
+    command = [sys.executable, "-m", "maxtrain.train", BASE, *SMALL, "per_device_batch_size=4", "steps=1",
+               "enable_checkpointing=false", "base_output_directory=/tmp/maxtrain_compare", "peak_tflops_per_device=1",
+               f"compilation_cache_dir={cache_dir}", *extra]
+    return seconds_to_line(command, env, REPO, "first step")
+
+
+def maxtext_startup_seconds(python, cache_dir):
+    """The same for MaxText: process start to its log line for step 0 (logged once step 0 is done)."""
+    with tempfile.TemporaryDirectory() as out:
+        command = maxtext_command(python, SMALL, 1, 4, 2, out, [f"jax_cache_dir={cache_dir}"])
+        return seconds_to_line(*command, out, "completed step: 0") if command else float("nan")
 
 
 def aot_gib(overrides, extra):
@@ -164,11 +185,16 @@ def main():
               f"{mt_sec:.2f} | {mt_tps:,} | {ratio:.2f}x | {120 * r['mfu'] / ratio:.0f}% | "
               f"{1e3 * r['peak']:.0f} / {1e3 * r['peak_bf16']:.0f} | {here or ' |'} |", flush=True)
     if not wanted or "startup" in wanted:
-        with tempfile.TemporaryDirectory() as cache:  # an empty compilation cache, then the same one again
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as mt_cache:
+            # an empty compilation cache, then the same one again
             for name in ("cold: empty compilation cache", "warm: the compilation cache of the run before"):
                 s = startup_seconds(extra, cache)
-                print(f"| startup to first step (small), {name} | {s:.1f} s | | | 15-20 s | | {17.5 / s:.2f}x | | | | |",
-                      flush=True)
+                here = ""
+                if args.maxtext:
+                    mt_here = maxtext_startup_seconds(args.maxtext, mt_cache)
+                    here = f"{mt_here:.1f} s | {mt_here / s:.2f}x"
+                print(f"| startup to first step (small), {name} | {s:.1f} s | | | 15-20 s | | {17.5 / s:.2f}x | | | "
+                      f"{here or ' |'} |", flush=True)
     if args.skip_aot:
         return
     print(f"\nahead-of-time compile: {' '.join(AOT_COMMON + AOT_LEVERS)}")

@@ -99,7 +99,10 @@ def build(c: Config, mesh) -> Trainer:
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
     batch_sharding = mesh_lib.sharding_for(("batch", "length"), mesh, rules)
-    init = jax.jit(init_state, out_shardings=state_shardings)
+    # On CPU most of init's compile time goes to LLVM optimizing random-number code that runs once:
+    # level 1 compiles it in about half the time, runs about as fast, and gives the same bits.
+    fast_compile = {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
+    init = jax.jit(init_state, out_shardings=state_shardings, compiler_options=fast_compile)
     step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0)
