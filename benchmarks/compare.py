@@ -119,13 +119,13 @@ def run_maxtext_row(python, overrides, devices, batch, steps):
     return sum(seconds) / len(seconds) if seconds else f"MaxText failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
 
 
-def seconds_to_line(command, env, cwd, prefix):
-    """Wall time from process start to its first output line that starts with `prefix`."""
+def seconds_to_line(command, env, cwd, text):
+    """Wall time from process start to its first output line that contains `text`."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     seconds = float("nan")
     for line in proc.stdout:
-        if line.startswith(prefix):
+        if text in line:
             seconds = time.perf_counter() - t0
             break
     proc.kill()
