@@ -63,6 +63,8 @@ AOT_LEVERS = ["attention=splash", "loss_chunk_size=512", "mlp_chunk_size=2048"]
 
 WORKER = r"""
 import json, sys, time
+from maxtrain.hugepages import reexec_with_huge_pages
+reexec_with_huge_pages()  # what `python -m maxtrain.train` does first
 import jax
 from maxtrain import data, mesh as mesh_lib, metrics, step as step_lib, train
 steps = int(sys.argv[1]); c = train.load_config(sys.argv[2:])

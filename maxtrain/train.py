@@ -3,13 +3,19 @@
 argv -> config -> mesh -> sharded init -> loop (step N+1 queued before step N's metrics are read).
 """
 
+# ruff: noqa: E402 (the re-exec below must come before jax and its allocator load)
 from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":
+    from maxtrain.hugepages import reexec_with_huge_pages
+    reexec_with_huge_pages()
 
 import concurrent.futures
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 

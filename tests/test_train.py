@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,3 +85,17 @@ def test_compilation_cache_is_filled_and_gives_the_same_losses(tmp_path):
     warm = losses("warm", f"compilation_cache_dir={cache}")  # loads the step instead of compiling it
     plain = losses("plain", "compilation_cache_dir=")
     assert cold == warm == plain and len(cold) == 3
+
+
+def test_entry_point_reexecs_with_huge_pages_unless_opted_out():
+    code = ("import os, sys; from maxtrain.hugepages import reexec_with_huge_pages; reexec_with_huge_pages(); "
+            "print(repr(os.environ.get('GLIBC_TUNABLES')), sys.argv[1:])")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", code, "a=1", "b c"], capture_output=True, text=True, env=env,
+                         cwd=REPO, check=True).stdout.strip()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    madvise = sys.platform.startswith("linux") and thp.exists() and "[madvise]" in thp.read_text()
+    assert out == f"{'glibc.malloc.hugetlb=1' if madvise else None!r} ['a=1', 'b c']"
+    opted_out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               env={**env, "GLIBC_TUNABLES": ""}, cwd=REPO, check=True).stdout.strip()
+    assert opted_out == "'' []"
