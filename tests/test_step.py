@@ -186,3 +186,23 @@ def test_logits_in_compute_dtype_gives_the_same_loss(tiny_config):
         assert bf16[0] != bf16[1]  # the setting does take effect
         f32 = [loss("dtype=float32", f"logits_dot_in_fp32={v}", chunk) for v in ("true", "false")]
         assert f32[0] == f32[1]
+
+
+def test_cheap_compile_levels_give_the_same_bits(tiny_config):
+    """init compiles at XLA's level 1 on CPU and synthetic batches at level 0, for startup time; both
+    must equal what the default optimization level computes."""
+    c = tiny_config(devices=jax.devices()[:1])
+    trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()[:1]))
+    rng = jax.random.key(3)
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        default = trainer.init.lower(rng).compile({"xla_backend_optimization_level": 3})(rng)
+        fast = trainer.init(rng)
+    for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(fast)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    batches = data.make_iterator(c, trainer.batch_sharding)
+    make = jax.jit(lambda s: data.synthetic_batch(s, seed=c.data_shuffle_seed, batch=c.global_batch_size,
+                                                  length=c.max_target_length, vocab=c.vocab_size))
+    for step in range(3):
+        expected, got = make(jnp.int32(step)), next(batches)
+        for k in expected:
+            np.testing.assert_array_equal(np.asarray(expected[k]), np.asarray(got[k]))
