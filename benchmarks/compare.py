@@ -19,6 +19,7 @@ MaxText logs the wall time between step dispatches; its s/step is the mean of th
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -85,8 +86,14 @@ print(json.dumps({"seconds": sec, "tokens_per_second": c.global_batch_size * c.m
 """
 
 
+def cpu_env(devices, **extra):
+    """This process's environment with `devices` fake CPU devices."""
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+                **extra)
+
+
 def run_row(overrides, devices, batch, steps, extra):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = cpu_env(devices)
     args = [BASE, *overrides, f"per_device_batch_size={batch / devices}", "ici_fsdp_parallelism=-1", *extra]
     proc = subprocess.run([sys.executable, "-c", WORKER, str(steps), *args], capture_output=True, text=True,
                           env=env, cwd=REPO)
@@ -95,18 +102,25 @@ def run_row(overrides, devices, batch, steps, extra):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@functools.cache
+def maxtext_base_yml(python):
+    """MaxText's base.yml in the installation PYTHON imports, or None where it has no maxtext."""
+    find = "import maxtext, os; print(os.path.dirname(maxtext.__file__))"
+    try:
+        where = subprocess.run([python, "-c", find], capture_output=True, text=True)
+    except OSError:
+        return None
+    return None if where.returncode else str(Path(where.stdout.strip()) / "configs" / "base.yml")
+
+
 def maxtext_command(python, overrides, devices, batch, steps, out, extra=()):
     """(argv, env) that run MaxText's trainer on a row, or None where PYTHON has no maxtext."""
-    find = "import maxtext, os; print(os.path.dirname(maxtext.__file__))"
-    where = subprocess.run([python, "-c", find], capture_output=True, text=True)
-    if where.returncode:
+    base_yml = maxtext_base_yml(python)
+    if base_yml is None:
         return None
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               TF_CPP_MIN_LOG_LEVEL="2")
-    args = [str(Path(where.stdout.strip()) / "configs" / "base.yml"), *overrides, *MAXTEXT_ARGS,
-            f"per_device_batch_size={batch / devices:g}", f"steps={steps}", f"base_output_directory={out}",
-            "run_name=compare", *extra]
-    return [python, "-u", "-m", "maxtext.trainers.pre_train.train", *args], env
+    args = [base_yml, *overrides, *MAXTEXT_ARGS, f"per_device_batch_size={batch / devices:g}", f"steps={steps}",
+            f"base_output_directory={out}", "run_name=compare", *extra]
+    return [python, "-u", "-m", "maxtext.trainers.pre_train.train", *args], cpu_env(devices, TF_CPP_MIN_LOG_LEVEL="2")
 
 
 def run_maxtext_row(python, overrides, devices, batch, steps):
@@ -137,11 +151,10 @@ def seconds_to_line(command, env, cwd, text):
 
 def startup_seconds(extra, cache_dir):
     """Process start to the first completed step of the small config, as a user runs it."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
     command = [sys.executable, "-m", "maxtrain.train", BASE, *SMALL, "per_device_batch_size=4", "steps=1",
                "enable_checkpointing=false", "base_output_directory=/tmp/maxtrain_compare", "peak_tflops_per_device=1",
                f"compilation_cache_dir={cache_dir}", *extra]
-    return seconds_to_line(command, env, REPO, "first step")
+    return seconds_to_line(command, cpu_env(1), REPO, "first step")
 
 
 def maxtext_startup_seconds(python, cache_dir):
@@ -169,6 +182,8 @@ def main():
     parser.add_argument("--maxtext", metavar="PYTHON", help="also run MaxText on each CPU row, with this interpreter")
     args, extra = parser.parse_known_args()  # extra key=value overrides apply to every row
     wanted = set(args.rows.split(",")) if args.rows else None
+    if args.maxtext and maxtext_base_yml(args.maxtext) is None:
+        parser.error(f"--maxtext: {args.maxtext} cannot import maxtext")
     print(f"{time.strftime('%Y-%m-%d')} | {os.cpu_count()} CPU cores | overrides: {' '.join(extra) or '(none)'}")
     print("| workload | maxtrain s/step | tokens/s | MFU | MaxText s/step (issue) | MaxText tokens/s | ratio "
           "| MFU 1.2x needs | matmul peak f32 / bf16 GFLOP/s | MaxText s/step here | ratio here |")

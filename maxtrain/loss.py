@@ -37,8 +37,7 @@ def cross_entropy_loss(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, d
     Under differentiation the forward pass also forms the gradients (the cotangent that arrives in the
     backward pass is a scalar that only scales them): per chunk it turns the logits into their
     gradient (softmax minus one-hot) in one pass and multiplies it into x's gradient and the output
-    matrix's. So
-    the logits are never recomputed and no scatter picks the target logits (faster than autodiff),
+    matrix's. So the logits are never recomputed and no scatter picks the target logits (faster than autodiff),
     and with chunk < L neither the [B,L,V] float32 logits nor a whole [D,V] float32 gradient ever
     exists: each chunk's output-matrix gradient joins an accumulator held in the matrix's own
     sharding and dtype, so under fsdp it is reduce-scattered as it is made.
@@ -63,7 +62,7 @@ def _fused(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_BxL,
         _, _, ce, z = _chunk_sums(xs[0], w_DxV, xs[1], xs[2], dot_in_fp32)
         return (sums[0] + ce, sums[1] + z), None
 
-    chunks = (split_chunks(x_BxLxD, chunk), split_chunks(targets_BxL, chunk), split_chunks(weights_BxL, chunk))
+    chunks = [split_chunks(a, chunk) for a in (x_BxLxD, targets_BxL, weights_BxL)]
     (ce, z), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), chunks)
     return ce + z_loss_multiplier * z, ce
 
@@ -88,7 +87,7 @@ def _fused_fwd(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_
         return (ce_sum + ce, z_sum + z, d_out_DxV + d_w_DxV.astype(out_DxV.dtype)), d_x_BxCxD
 
     zeros_DxV = nn.with_logical_constraint(jnp.zeros_like(out_DxV), ("embed", "vocab"))
-    chunks = (split_chunks(x_BxLxD, chunk), split_chunks(targets_BxL, chunk), split_chunks(weights_BxL, chunk))
+    chunks = [split_chunks(a, chunk) for a in (x_BxLxD, targets_BxL, weights_BxL)]
     (ce, z, d_out_DxV), d_x_NxBxCxD = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(()), zeros_DxV), chunks)
     return (ce + z_loss_multiplier * z, ce), (merge_chunks(d_x_NxBxCxD), d_out_DxV)
 

@@ -64,14 +64,14 @@ def _import_tensorboardx():
 
     We only log Python floats. `torch` is hidden only while tensorboardX loads; later imports are normal.
     """
-    if "torch" in sys.modules or "tensorboardX" in sys.modules:
-        import tensorboardX
-        return tensorboardX
-    sys.modules["torch"] = None  # a None entry makes `import torch` raise ImportError
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # a None entry makes `import torch` raise ImportError
     try:
         import tensorboardX
     finally:
-        del sys.modules["torch"]
+        if hide:
+            del sys.modules["torch"]
     return tensorboardX
 
 

@@ -101,7 +101,7 @@ def build(c: Config, mesh) -> Trainer:
     batch_sharding = mesh_lib.sharding_for(("batch", "length"), mesh, rules)
     # On CPU most of init's compile time goes to LLVM optimizing random-number code that runs once:
     # level 1 compiles it in about half the time, runs about as fast, and gives the same bits.
-    fast_compile = {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
+    fast_compile = {"xla_backend_optimization_level": 1} if mesh.devices.flat[0].platform == "cpu" else None
     init = jax.jit(init_state, out_shardings=state_shardings, compiler_options=fast_compile)
     step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
