@@ -21,7 +21,6 @@ from pathlib import Path
 
 import jax
 
-from maxtrain import checkpoint as ckpt_lib
 from maxtrain import config as config_lib, errors
 from maxtrain import data, distributed, mesh as mesh_lib, metrics as metrics_lib, step as step_lib, summary
 
@@ -58,6 +57,8 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
             batches.set_state(data_state)
             say(f"resumed from {checkpointer.directory}/{int(state.step)}")
             return state
+    if c.load_full_state_path or c.load_parameters_path:
+        from maxtrain import checkpoint as ckpt_lib  # see the Checkpointer's import in train()
     if c.load_full_state_path:
         say(f"loading full state from {c.load_full_state_path}")
         return ckpt_lib.load_full_state(c, trainer.abstract_state)
@@ -120,7 +121,11 @@ def train(c: config_lib.Config, devices=None) -> dict:
     flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
     peak = metrics_lib.peak_tflops_per_device(c)
 
-    checkpointer = ckpt_lib.Checkpointer(c) if c.enable_checkpointing else None
+    checkpointer = None
+    if c.enable_checkpointing:
+        # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
+        from maxtrain import checkpoint as ckpt_lib
+        checkpointer = ckpt_lib.Checkpointer(c)
     stop = StopSignal()
     preempted = False
     with mesh_lib.activate(mesh, trainer.rules):

@@ -28,6 +28,41 @@ def batches(c, docs, n, **kw):
     return [next(it) for _ in range(n)], it
 
 
+def test_synthetic_batches_are_random_walks_the_same_on_any_mesh(tiny_config):
+    from maxtrain import mesh as mesh_lib, step as step_lib
+
+    def first_batches(*overrides, devices, state=None):
+        c = tiny_config("per_device_batch_size=2", *overrides, devices=devices)
+        it = data.make_iterator(c, step_lib.build(c, mesh_lib.make_mesh(c, devices)).batch_sharding)
+        if state:
+            it.set_state(state)
+        got = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(3)]
+        return got, it.get_state(), it
+
+    # 16 rows on 8 devices (2x2x2: rows split 4 ways, each shard made twice), on 4, and on 1.
+    meshes = [first_batches("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                            devices=jax.devices()[:8])[0],
+              first_batches("ici_fsdp_parallelism=4", "per_device_batch_size=4", devices=jax.devices()[:4])[0],
+              first_batches("per_device_batch_size=16", devices=jax.devices()[:1])[0]]
+    for other in meshes[1:]:
+        for want, got in zip(meshes[0], other):
+            for k in want:
+                np.testing.assert_array_equal(want[k], got[k])
+    b = meshes[0][0]
+    assert b["inputs"].shape == (16, 32) and b["inputs"].dtype == np.int32
+    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])  # targets are the next token
+    assert set(np.unique((b["targets"] - b["inputs"]) % 256)) == {1, 2, 3, 4}
+    assert len({tuple(r) for r in b["inputs"]}) == 16  # every row its own walk
+    assert not np.array_equal(meshes[0][1]["inputs"], b["inputs"])  # and every step
+    np.testing.assert_array_equal(b["positions"], np.broadcast_to(np.arange(32), (16, 32)))
+    assert np.all(b["segment_ids"] == 1) and np.all(b["weights"] == 1)
+    # Resuming from the state continues the sequence.
+    _, state, _ = first_batches("per_device_batch_size=16", devices=jax.devices()[:1])
+    assert state == {"step": 3}
+    resumed, _, _ = first_batches("per_device_batch_size=16", devices=jax.devices()[:1], state={"step": 1})
+    np.testing.assert_array_equal(resumed[0]["inputs"], meshes[2][1]["inputs"])
+
+
 def test_packing_marks_documents_and_masks_padding(tiny_config, tmp_path):
     c = tiny_config(*TEXT, f"train_files={SHAKESPEARE}", "max_target_length=8", devices=jax.devices()[:1])
     docs = ["ab", "cdef", "ghijklmnopq"]  # with bos/eos: 4, 6 and 13 tokens

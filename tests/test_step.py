@@ -51,13 +51,13 @@ def one_device_setup(tiny_config, masked_from: int, overrides=()):
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         params = trainer.init(jax.random.key(0)).params
     batch = data.synthetic_batch(0, seed=0, batch=2, length=32, vocab=256)
-    batch["weights"] = batch["weights"].at[:, masked_from:].set(0.0)
+    batch["weights"] = jnp.asarray(batch["weights"]).at[:, masked_from:].set(0.0)
     return trainer, params, batch
 
 
 def test_masked_targets_do_not_count(tiny_config):
     trainer, params, batch = one_device_setup(tiny_config, masked_from=16)
-    scrambled = dict(batch, targets=batch["targets"].at[:, 16:].set(7))
+    scrambled = dict(batch, targets=jnp.asarray(batch["targets"]).at[:, 16:].set(7))
     loss = lambda b: step_lib.loss_fn(params, trainer.model, b)  # noqa: E731
     (total_a, aux_a), (total_b, _) = loss(batch), loss(scrambled)
     assert float(aux_a["tokens"]) == 2 * 16
@@ -125,7 +125,7 @@ def grads_on(tiny_config, devices, *overrides, dtype="float32"):
     c = tiny_config(f"dtype={dtype}", "z_loss_multiplier=1e-3", *overrides, devices=devices)
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     batch = data.synthetic_batch(0, seed=0, batch=8, length=32, vocab=256)
-    batch["weights"] = batch["weights"].at[:, 24:].set(0.0)
+    batch["weights"] = jnp.asarray(batch["weights"]).at[:, 24:].set(0.0)
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         params = trainer.init(jax.random.key(0)).params
         batch = jax.device_put(batch, trainer.batch_sharding)
@@ -188,21 +188,15 @@ def test_logits_in_compute_dtype_gives_the_same_loss(tiny_config):
         assert f32[0] == f32[1]
 
 
-def test_cheap_compile_levels_give_the_same_bits(tiny_config):
-    """init compiles at XLA's level 1 on CPU and synthetic batches at level 0, for startup time; both
-    must equal what the default optimization level computes."""
+def test_init_cheap_compile_gives_the_same_bits(tiny_config):
+    """init compiles at XLA's level 1 with the loop emitters on CPU, for startup time; it must equal
+    what XLA's defaults compute."""
     c = tiny_config(devices=jax.devices()[:1])
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()[:1]))
     rng = jax.random.key(3)
     with mesh_lib.activate(trainer.mesh, trainer.rules):
-        default = trainer.init.lower(rng).compile({"xla_backend_optimization_level": 3})(rng)
+        default = trainer.init.lower(rng).compile({"xla_backend_optimization_level": 3,
+                                                   "xla_cpu_use_fusion_emitters": True})(rng)
         fast = trainer.init(rng)
     for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(fast)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    batches = data.make_iterator(c, trainer.batch_sharding)
-    make = jax.jit(lambda s: data.synthetic_batch(s, seed=c.data_shuffle_seed, batch=c.global_batch_size,
-                                                  length=c.max_target_length, vocab=c.vocab_size))
-    for step in range(3):
-        expected, got = make(jnp.int32(step)), next(batches)
-        for k in expected:
-            np.testing.assert_array_equal(np.asarray(expected[k]), np.asarray(got[k]))
