@@ -1,6 +1,7 @@
 """maxtrain against MaxText's figures for the same work (issue #7's table), on this machine, in one run.
 
-    python benchmarks/compare.py [--steps 5] [--skip-aot] [--rows small,medium,...] [--maxtext PYTHON]
+    python benchmarks/compare.py [--steps 5] [--skip-aot] [--rows small,medium,...,startup] [--startup-runs 1]
+                                 [--maxtext PYTHON]
 
 Each CPU row runs in its own subprocess (fake device counts differ), one after another, with synthetic
 data: s/step is the mean over `--steps` steps after two warm-up steps; MFU is model FLOPs per second
@@ -23,6 +24,7 @@ import functools
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,6 +166,13 @@ def maxtext_startup_seconds(python, cache_dir):
         return seconds_to_line(*command, out, "completed step: 0") if command else float("nan")
 
 
+def spread(seconds):
+    """'9.8 s' for one run; the median and the range, '9.8 s (8.0-10.8)', for several."""
+    if len(seconds) == 1:
+        return f"{seconds[0]:.1f} s"
+    return f"{statistics.median(seconds):.1f} s ({min(seconds):.1f}-{max(seconds):.1f})"
+
+
 def aot_gib(overrides, extra):
     proc = subprocess.run([sys.executable, "-m", "maxtrain.compile", BASE, *AOT_COMMON, *AOT_LEVERS, *overrides, *extra],
                           capture_output=True, text=True, cwd=REPO)
@@ -179,6 +188,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-aot", action="store_true")
     parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    parser.add_argument("--startup-runs", type=int, default=1, help="repeat the startup rows; print median (range)")
     parser.add_argument("--maxtext", metavar="PYTHON", help="also run MaxText on each CPU row, with this interpreter")
     args, extra = parser.parse_known_args()  # extra key=value overrides apply to every row
     wanted = set(args.rows.split(",")) if args.rows else None
@@ -202,16 +212,23 @@ def main():
               f"{mt_sec:.2f} | {mt_tps:,} | {ratio:.2f}x | {120 * r['mfu'] / ratio:.0f}% | "
               f"{1e3 * r['peak']:.0f} / {1e3 * r['peak_bf16']:.0f} | {here or ' |'} |", flush=True)
     if not wanted or "startup" in wanted:
-        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as mt_cache:
-            # an empty compilation cache, then the same one again
-            for name in ("cold: empty compilation cache", "warm: the compilation cache of the run before"):
-                s = startup_seconds(extra, cache)
-                here = ""
-                if args.maxtext:
-                    mt_here = maxtext_startup_seconds(args.maxtext, mt_cache)
-                    here = f"{mt_here:.1f} s | {mt_here / s:.2f}x"
-                print(f"| startup to first step (small), {name} | {s:.1f} s | | | 15-20 s | | {17.5 / s:.2f}x | | | "
-                      f"{here or ' |'} |", flush=True)
+        # an empty compilation cache, then the same one again; --startup-runs pairs, median (range)
+        runs = {"cold: empty compilation cache": [], "warm: the compilation cache of the run before": []}
+        runs_mt = {name: [] for name in runs}
+        for _ in range(args.startup_runs):
+            with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as mt_cache:
+                for name in runs:
+                    runs[name].append(startup_seconds(extra, cache))
+                    if args.maxtext:
+                        runs_mt[name].append(maxtext_startup_seconds(args.maxtext, mt_cache))
+        for name, seconds in runs.items():
+            s = statistics.median(seconds)
+            here = ""
+            if args.maxtext:
+                mt_here = statistics.median(runs_mt[name])
+                here = f"{spread(runs_mt[name])} | {mt_here / s:.2f}x"
+            print(f"| startup to first step (small), {name} | {spread(seconds)} | | | 15-20 s | | {17.5 / s:.2f}x | | | "
+                  f"{here or ' |'} |", flush=True)
     if args.skip_aot:
         return
     print(f"\nahead-of-time compile: {' '.join(AOT_COMMON + AOT_LEVERS)}")
