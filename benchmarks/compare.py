@@ -192,6 +192,8 @@ def main():
     parser.add_argument("--maxtext", metavar="PYTHON", help="also run MaxText on each CPU row, with this interpreter")
     args, extra = parser.parse_known_args()  # extra key=value overrides apply to every row
     wanted = set(args.rows.split(",")) if args.rows else None
+    if args.startup_runs < 1:
+        parser.error("--startup-runs: at least 1")
     if args.maxtext and maxtext_base_yml(args.maxtext) is None:
         parser.error(f"--maxtext: {args.maxtext} cannot import maxtext")
     print(f"{time.strftime('%Y-%m-%d')} | {os.cpu_count()} CPU cores | overrides: {' '.join(extra) or '(none)'}")
