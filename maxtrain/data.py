@@ -31,6 +31,9 @@ class DataError(UserError, RuntimeError):
     kind = "data"
 
 
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")  # a batch's [batch, length] arrays
+
+
 # ---------------------------------------------------------------------------------------------
 # Synthetic data
 
@@ -84,7 +87,7 @@ class SyntheticIterator:
             return jax.make_array_from_callback(self._shape, self._sharding, lambda index: rows(
                 *index[0].indices(self._shape[0])[:2])[key][:, index[1]])
 
-        batch = {k: array(k) for k in ("inputs", "targets", "positions", "segment_ids", "weights")}
+        batch = {k: array(k) for k in BATCH_KEYS}
         self.step += 1
         return batch
 

@@ -37,10 +37,10 @@ def cross_entropy_loss(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, d
     Under differentiation the forward pass also forms the gradients (the cotangent that arrives in the
     backward pass is a scalar that only scales them): per chunk it turns the logits into their
     gradient (softmax minus one-hot) in one pass and multiplies it into x's gradient and the output
-    matrix's. So the logits are never recomputed and no scatter picks the target logits (faster than autodiff),
-    and with chunk < L neither the [B,L,V] float32 logits nor a whole [D,V] float32 gradient ever
-    exists: each chunk's output-matrix gradient joins an accumulator held in the matrix's own
-    sharding and dtype, so under fsdp it is reduce-scattered as it is made.
+    matrix's. So the logits are never recomputed and no scatter picks the target logits (faster than
+    autodiff), and with chunk < L neither the [B,L,V] float32 logits nor a whole [D,V] float32
+    gradient ever exists: each chunk's output-matrix gradient joins an accumulator held in the
+    matrix's own sharding and dtype, so under fsdp it is reduce-scattered as it is made.
     """
     total, ce_sum = _fused(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_BxL, weights_BxL)
     return total, jax.lax.stop_gradient(ce_sum)  # the backward ignores ce_sum's cotangent

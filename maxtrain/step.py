@@ -19,10 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain import loss, mesh as mesh_lib
 from maxtrain.config import Config
+from maxtrain.data import BATCH_KEYS
 from maxtrain.model import Decoder, ModelArgs
 from maxtrain.optimizer import learning_rate_schedule, make_optimizer
-
-BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
 
 
 @flax.struct.dataclass
