@@ -37,7 +37,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "learning_rate_schedule": ("cosine", "linear", "constant"),
     "dataset_type": ("synthetic", "text", "parquet", "array_record"),
     "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
-    "attention": ("dot_product", "jax_nn", "splash"),
+    "attention": ("dot_product", "blockwise", "jax_nn", "splash"),
     "distributed_init": ("auto", "true", "false"),
 }
 POSITIVE_INTS = (

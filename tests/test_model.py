@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import maxtrain.attention
 from maxtrain import config, remat
 from maxtrain.model import Decoder, ModelArgs, stack_layers, unstack_layers
 
@@ -102,9 +103,10 @@ def test_causal(tiny_config):
     assert not np.allclose(a[:, t:], b[:, t:])
 
 
-@pytest.mark.parametrize("attention", ["dot_product", "jax_nn"])
-def test_packed_documents_equal_documents_alone(tiny_config, attention):
+@pytest.mark.parametrize("attention", ["dot_product", "blockwise", "jax_nn"])
+def test_packed_documents_equal_documents_alone(tiny_config, attention, monkeypatch):
     """With segment ids and restarting positions, a packed row equals each document run alone."""
+    monkeypatch.setattr(maxtrain.attention, "BLOCK", 8)  # blockwise: 4 blocks, a document boundary inside one
     c = tiny_config(f"attention={attention}")
     model, params, _ = build(c)
     doc1 = jax.random.randint(jax.random.key(2), (1, 12), 0, c.vocab_size)
@@ -118,10 +120,28 @@ def test_packed_documents_equal_documents_alone(tiny_config, attention):
 
 
 def test_jax_nn_attention_matches_dot_product(tiny_config):
-    c = tiny_config()
+    c = tiny_config("attention=dot_product")
     model, params, tokens = build(c)
     other = Decoder(ModelArgs.from_config(c.replace(attention="jax_nn")))
     np.testing.assert_allclose(logits(model, params, tokens), logits(other, params, tokens), atol=1e-5)
+
+
+def test_blockwise_attention_matches_dot_product(monkeypatch):
+    """Blocks of 8 over 36 positions (the last block short), GQA 4:2, two packed documents: the same
+    outputs and gradients as all positions at once."""
+    monkeypatch.setattr(maxtrain.attention, "BLOCK", 8)
+    q_key, k_key, v_key, w_key = jax.random.split(jax.random.key(5), 4)
+    q, out_weights = (jax.random.normal(key, (2, 36, 4, 16)) for key in (q_key, w_key))
+    k, v = (jax.random.normal(key, (2, 36, 2, 16)) for key in (k_key, v_key))
+    segments = jnp.concatenate([jnp.full((2, 15), 1), jnp.full((2, 21), 2)], axis=1)
+
+    def value_and_grads(kernel):
+        loss = lambda q, k, v: jnp.sum(kernel(q, k, v, segments) * out_weights)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    blocks, plain = value_and_grads(maxtrain.attention.blockwise), value_and_grads(maxtrain.attention.dot_product)
+    for a, b in zip(jax.tree.leaves(blocks), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_tied_embeddings_have_no_output_matrix(tiny_config):
@@ -131,7 +151,7 @@ def test_tied_embeddings_have_no_output_matrix(tiny_config):
 
 def test_splash_attention_matches_dot_product(tiny_config):
     """Pallas splash kernel (interpret mode on CPU) with packed documents and GQA."""
-    c = tiny_config("max_target_length=128")
+    c = tiny_config("max_target_length=128", "attention=dot_product")
     model, params, _ = build(c)
     splash = Decoder(ModelArgs.from_config(c.replace(attention="splash")))
     tokens = jax.random.randint(jax.random.key(4), (2, 128), 0, c.vocab_size)

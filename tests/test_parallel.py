@@ -63,10 +63,18 @@ def test_tensor_parallel_shards_heads_and_mlp(tiny_config):
     assert wo.sharding.shard_shape(wo.shape) == (2, 16, 64)     # mlp 128 -> 16 per device
 
 
+def test_blockwise_attention_trains_like_dot_product(train_tiny):
+    """Blocks of 256 queries over 300 positions (the last block short) on fsdp x tensor: same losses."""
+    mesh = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "max_target_length=300", "steps=3")
+    plain = train_tiny(*mesh, "run_name=plain", "attention=dot_product")["losses"]
+    blocks = train_tiny(*mesh, "run_name=blockwise", "attention=blockwise")["losses"]
+    np.testing.assert_allclose(blocks, plain, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_splash_attention_under_shard_map_trains_like_dot_product(train_tiny):
     """Splash runs per shard (batch over fsdp, heads over tensor); same losses as plain attention."""
     mesh = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "max_target_length=128", "steps=3")
-    plain = train_tiny(*mesh, "run_name=plain")["losses"]
+    plain = train_tiny(*mesh, "run_name=plain", "attention=dot_product")["losses"]
     splash = train_tiny(*mesh, "run_name=splash", "attention=splash")["losses"]
     np.testing.assert_allclose(splash, plain, rtol=1e-5)
