@@ -1,11 +1,13 @@
 """maxtrain against MaxText's figures for the same work (issue #7's table), on this machine, in one run.
 
-    python benchmarks/compare.py [--steps 5] [--skip-aot] [--rows small,medium,...,startup] [--startup-runs 1]
-                                 [--maxtext PYTHON]
+    python benchmarks/compare.py [--steps 5] [--skip-aot] [--rows small,medium,...,startup] [--rounds 1]
+                                 [--startup-runs 1] [--maxtext PYTHON]
 
 Each CPU row runs in its own subprocess (fake device counts differ), one after another, with synthetic
 data: s/step is the mean over `--steps` steps after two warm-up steps; MFU is model FLOPs per second
-(remat recompute not counted) over the float32 matmul peak measured in the same subprocess. The AOT
+(remat recompute not counted) over the float32 matmul peak measured in the same subprocess. With
+`--rounds N` each row runs N times (alternating with MaxText's run, with --maxtext): s/step is the
+median, with the range; MFU and the peaks come from the median run. The AOT
 rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures from the
 issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted.
 
@@ -166,11 +168,11 @@ def maxtext_startup_seconds(python, cache_dir):
         return seconds_to_line(*command, out, "completed step: 0") if command else float("nan")
 
 
-def spread(seconds):
+def spread(seconds, digits=1, unit=" s"):
     """'9.8 s' for one run; the median and the range, '9.8 s (8.0-10.8)', for several."""
     if len(seconds) == 1:
-        return f"{seconds[0]:.1f} s"
-    return f"{statistics.median(seconds):.1f} s ({min(seconds):.1f}-{max(seconds):.1f})"
+        return f"{seconds[0]:.{digits}f}{unit}"
+    return f"{statistics.median(seconds):.{digits}f}{unit} ({min(seconds):.{digits}f}-{max(seconds):.{digits}f})"
 
 
 def aot_gib(overrides, extra):
@@ -188,12 +190,13 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-aot", action="store_true")
     parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    parser.add_argument("--rounds", type=int, default=1, help="run each CPU row N times; print median (range)")
     parser.add_argument("--startup-runs", type=int, default=1, help="repeat the startup rows; print median (range)")
     parser.add_argument("--maxtext", metavar="PYTHON", help="also run MaxText on each CPU row, with this interpreter")
     args, extra = parser.parse_known_args()  # extra key=value overrides apply to every row
     wanted = set(args.rows.split(",")) if args.rows else None
-    if args.startup_runs < 1:
-        parser.error("--startup-runs: at least 1")
+    if args.startup_runs < 1 or args.rounds < 1:
+        parser.error("--rounds and --startup-runs: at least 1")
     if args.maxtext and maxtext_base_yml(args.maxtext) is None:
         parser.error(f"--maxtext: {args.maxtext} cannot import maxtext")
     print(f"{time.strftime('%Y-%m-%d')} | {os.cpu_count()} CPU cores | overrides: {' '.join(extra) or '(none)'}")
@@ -203,14 +206,21 @@ def main():
     for name, overrides, devices, batch, mt_sec, mt_tps in ROWS:
         if wanted and name not in wanted:
             continue
-        r = run_row(overrides, devices, batch, args.steps, extra)
+        runs, mt_runs = [], []
+        for _ in range(args.rounds):  # alternating, so both see the same stretch of this machine's speed
+            runs.append(run_row(overrides, devices, batch, args.steps, extra))
+            if args.maxtext:
+                mt_runs.append(run_maxtext_row(args.maxtext, overrides, devices, batch, args.steps))
+        seconds = [run["seconds"] for run in runs]
+        r = next(run for run in runs if run["seconds"] == statistics.median_low(seconds))
         ratio = r["tokens_per_second"] / mt_tps
         here = ""
-        if args.maxtext:
-            mt_here = run_maxtext_row(args.maxtext, overrides, devices, batch, args.steps)
-            here = f"{mt_here:.3f} | {mt_here / r['seconds']:.2f}x" if isinstance(mt_here, float) else f"{mt_here} |"
+        if mt_runs:
+            failed = [m for m in mt_runs if not isinstance(m, float)]
+            here = f"{failed[0]} |" if failed else \
+                f"{spread(mt_runs, 3, '')} | {statistics.median(mt_runs) / statistics.median(seconds):.2f}x"
         # MFU (against the float32 peak) that 1.2x MaxText's tokens/s would take on this machine.
-        print(f"| {name} | {r['seconds']:.3f} | {r['tokens_per_second']:,.0f} | {100 * r['mfu']:.0f}% | "
+        print(f"| {name} | {spread(seconds, 3, '')} | {r['tokens_per_second']:,.0f} | {100 * r['mfu']:.0f}% | "
               f"{mt_sec:.2f} | {mt_tps:,} | {ratio:.2f}x | {120 * r['mfu'] / ratio:.0f}% | "
               f"{1e3 * r['peak']:.0f} / {1e3 * r['peak_bf16']:.0f} | {here or ' |'} |", flush=True)
     if not wanted or "startup" in wanted:
