@@ -7,7 +7,8 @@ Each CPU row runs in its own subprocess (fake device counts differ), one after a
 data: s/step is the mean over `--steps` steps after two warm-up steps; MFU is model FLOPs per second
 (remat recompute not counted) over the float32 matmul peak measured in the same subprocess. With
 `--rounds N` each row runs N times (alternating with MaxText's run, with --maxtext): s/step is the
-median, with the range; MFU and the peaks come from the median run. The AOT
+median, with the range; tokens/s, MFU and the peaks come from the median run (the lower middle one
+for an even N). The AOT
 rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures from the
 issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted.
 
