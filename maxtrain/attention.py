@@ -42,18 +42,20 @@ def _attend(q_BxQxNxGxK, k_BxMxNxK, v_BxMxNxK, mask_Bx1xQxM):
 
 
 def dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
-    b, length, h, k = q_BxLxHxK.shape
-    q_BxLxNxGxK = q_BxLxHxK.reshape(b, length, k_BxLxNxK.shape[2], -1, k)
-    ctx_BxLxNxGxK = _attend(q_BxLxNxGxK, k_BxLxNxK, v_BxLxNxK, causal_document_mask(segment_ids_BxL))
-    return ctx_BxLxNxGxK.reshape(b, length, h, k)
+    return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, q_BxLxHxK.shape[1])
 
 
 def blockwise(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+    return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, BLOCK)
+
+
+def _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int):
+    """`block` queries at a time, each block against the keys up to its own end (block >= L: all at once)."""
     b, length, h, k = q_BxLxHxK.shape
     q_BxLxNxGxK = q_BxLxHxK.reshape(b, length, k_BxLxNxK.shape[2], -1, k)
     ctx = []
-    for start in range(0, length, BLOCK):  # unrolled: each block sees a different number of keys
-        stop = min(start + BLOCK, length)
+    for start in range(0, length, block):  # unrolled: each block sees a different number of keys
+        stop = min(start + block, length)
         ctx.append(_attend(q_BxLxNxGxK[:, start:stop], k_BxLxNxK[:, :stop], v_BxLxNxK[:, :stop],
                            causal_document_mask(segment_ids_BxL, start, stop)))
     return jnp.concatenate(ctx, axis=1).reshape(b, length, h, k)

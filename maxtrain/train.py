@@ -57,13 +57,13 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
             batches.set_state(data_state)
             say(f"resumed from {checkpointer.directory}/{int(state.step)}")
             return state
-    if c.load_full_state_path or c.load_parameters_path:
-        from maxtrain import checkpoint as ckpt_lib  # see the Checkpointer's import in train()
     if c.load_full_state_path:
+        from maxtrain import checkpoint as ckpt_lib  # orbax loads only where needed: see train()
         say(f"loading full state from {c.load_full_state_path}")
         return ckpt_lib.load_full_state(c, trainer.abstract_state)
     state = trainer.init(jax.random.key(c.init_weights_seed))
     if c.load_parameters_path:
+        from maxtrain import checkpoint as ckpt_lib
         say(f"loading parameters from {c.load_parameters_path}")
         state = state.replace(params=ckpt_lib.load_parameters(c, trainer.abstract_state.params))
     return state
