@@ -15,9 +15,13 @@ import re
 import tempfile
 import time
 
-import jax
+from maxtrain.hugepages import reexec_with_huge_pages
 
-from maxtrain import data, mesh as mesh_lib, step as step_lib, train
+reexec_with_huge_pages()  # as `python -m maxtrain.train` does, so the profile shows the same allocations
+
+import jax  # noqa: E402
+
+from maxtrain import data, mesh as mesh_lib, step as step_lib, train  # noqa: E402
 
 
 def main():
