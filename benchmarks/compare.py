@@ -213,7 +213,7 @@ def main():
             if args.maxtext:
                 mt_runs.append(run_maxtext_row(args.maxtext, overrides, devices, batch, args.steps))
         seconds = [run["seconds"] for run in runs]
-        r = next(run for run in runs if run["seconds"] == statistics.median_low(seconds))
+        r = sorted(runs, key=lambda run: run["seconds"])[(len(runs) - 1) // 2]  # the median run (lower middle)
         ratio = r["tokens_per_second"] / mt_tps
         here = ""
         if mt_runs:
