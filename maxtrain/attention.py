@@ -32,13 +32,13 @@ def causal_document_mask(segment_ids_BxL, start: int = 0, stop: int | None = Non
     return (causal_QxM & same_doc_BxQxM)[:, None]
 
 
-def _attend(q_BxQxNxGxK, k_BxMxNxK, v_BxMxNxK, mask_Bx1xQxM):
-    """Softmax attention of Q queries over M keys, scores and softmax in float32."""
-    scores_BxNxGxQxM = jnp.einsum("bqngk,bmnk->bngqm", q_BxQxNxGxK, k_BxMxNxK,
-                                  preferred_element_type=jnp.float32) * q_BxQxNxGxK.shape[-1] ** -0.5
+def _attend(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM):
+    """Softmax attention of Q queries over M keys, scores and softmax in float32 (head-major layouts)."""
+    scores_BxNxGxQxM = jnp.einsum("bngqk,bnmk->bngqm", q_BxNxGxQxK, k_BxNxMxK,
+                                  preferred_element_type=jnp.float32) * q_BxNxGxQxK.shape[-1] ** -0.5
     scores_BxNxGxQxM = jnp.where(mask_Bx1xQxM[:, :, None], scores_BxNxGxQxM, -1e30)
-    probs_BxNxGxQxM = jax.nn.softmax(scores_BxNxGxQxM, axis=-1).astype(v_BxMxNxK.dtype)
-    return jnp.einsum("bngqm,bmnk->bqngk", probs_BxNxGxQxM, v_BxMxNxK)
+    probs_BxNxGxQxM = jax.nn.softmax(scores_BxNxGxQxM, axis=-1).astype(v_BxNxMxK.dtype)
+    return jnp.einsum("bngqm,bnmk->bngqk", probs_BxNxGxQxM, v_BxNxMxK)
 
 
 def dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
@@ -50,15 +50,22 @@ def blockwise(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
 
 
 def _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int):
-    """`block` queries at a time, each block against the keys up to its own end (block >= L: all at once)."""
+    """`block` queries at a time, each block against the keys up to its own end (block >= L: all at once).
+
+    q, k and v go head-major once, up front, so each einsum is a plain batched matmul over contiguous
+    [L, K] rows. On CPU that made the attention's forward ~1.3x faster than einsums on [B,L,H,K], with
+    the same bits."""
     b, length, h, k = q_BxLxHxK.shape
-    q_BxLxNxGxK = q_BxLxHxK.reshape(b, length, k_BxLxNxK.shape[2], -1, k)
+    n = k_BxLxNxK.shape[2]
+    q_BxNxGxLxK = q_BxLxHxK.reshape(b, length, n, h // n, k).transpose(0, 2, 3, 1, 4)
+    k_BxNxLxK, v_BxNxLxK = k_BxLxNxK.transpose(0, 2, 1, 3), v_BxLxNxK.transpose(0, 2, 1, 3)
     ctx = []
     for start in range(0, length, block):  # unrolled: each block sees a different number of keys
         stop = min(start + block, length)
-        ctx.append(_attend(q_BxLxNxGxK[:, start:stop], k_BxLxNxK[:, :stop], v_BxLxNxK[:, :stop],
+        ctx.append(_attend(q_BxNxGxLxK[:, :, :, start:stop], k_BxNxLxK[:, :, :stop], v_BxNxLxK[:, :, :stop],
                            causal_document_mask(segment_ids_BxL, start, stop)))
-    return jnp.concatenate(ctx, axis=1).reshape(b, length, h, k)
+    ctx_BxNxGxLxK = jnp.concatenate(ctx, axis=3)
+    return ctx_BxNxGxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
 
 
 def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
