@@ -97,11 +97,14 @@ def cpu_env(devices, **extra):
                 **extra)
 
 
-def run_row(overrides, devices, batch, steps, extra):
+def run_row(overrides, devices, batch, steps, extra, xla_flags="", repo=REPO):
+    """One row's run in a subprocess; `repo`: the maxtrain checkout it imports (benchmarks/ab.py)."""
     env = cpu_env(devices)
-    args = [BASE, *overrides, f"per_device_batch_size={batch / devices}", "ici_fsdp_parallelism=-1", *extra]
+    env["XLA_FLAGS"] += f" {xla_flags}"
+    args = [str(Path(repo) / "configs" / "base.yml"), *overrides, f"per_device_batch_size={batch / devices}",
+            "ici_fsdp_parallelism=-1", *extra]
     proc = subprocess.run([sys.executable, "-c", WORKER, str(steps), *args], capture_output=True, text=True,
-                          env=env, cwd=REPO)
+                          env=env, cwd=repo)
     if proc.returncode:
         raise SystemExit(f"row failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

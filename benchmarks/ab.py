@@ -1,0 +1,59 @@
+"""Interleaved A/B runs of one row of benchmarks/compare.py: each variant in turn, --rounds times.
+
+    python benchmarks/ab.py ROW VARIANT [VARIANT ...] [--rounds 3] [--steps 4]
+
+ROW is a row name of compare.py ("small", "medium remat minimal", ...). A VARIANT is a space-separated
+mix of config overrides (`remat_policy=minimal`), XLA flags (`--xla_cpu_...=...`) and `repo=PATH`, which
+runs the row on another checkout of maxtrain (e.g. the commit before a change:
+`git worktree add /tmp/before HEAD~1`); "" is the row as compare.py runs it. On a shared, noisy machine
+only runs taken one right after the other compare fairly, hence the interleaving: it prints each run,
+then each variant's median and range of s/step and its ratio to the first variant's median.
+"""
+
+import argparse
+import statistics
+import sys
+
+import compare
+
+
+def parse_variant(text: str):
+    overrides, flags, repo = [], [], compare.REPO
+    for token in text.split():
+        if token.startswith("--"):
+            flags.append(token)
+        elif token.startswith("repo="):
+            repo = token.removeprefix("repo=")
+        else:
+            overrides.append(token)
+    return overrides, " ".join(flags), repo
+
+
+def main():
+    rows = {row[0]: row for row in compare.ROWS}
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("row", choices=sorted(rows))
+    parser.add_argument("variants", nargs="+")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be at least 1")
+    _, overrides, devices, batch = rows[args.row][:4]
+    seconds = {v: [] for v in args.variants}
+    for i in range(args.rounds):
+        for variant in args.variants:
+            extra, flags, repo = parse_variant(variant)
+            result = compare.run_row(overrides, devices, batch, args.steps, extra, xla_flags=flags, repo=repo)
+            seconds[variant].append(result["seconds"])
+            print(f"round {i + 1} {variant!r}: {result['seconds']:.3f} s/step, loss {result['loss']:.4f}", flush=True)
+    first = statistics.median(seconds[args.variants[0]])
+    print(f"\n{args.row}, {args.rounds} interleaved rounds of {args.steps} steps")
+    print("| variant | median s/step | range | first / this |\n|---|---|---|---|")
+    for variant, runs in seconds.items():
+        median = statistics.median(runs)
+        print(f"| {variant or '(as compare.py)'} | {median:.3f} | {min(runs):.3f}-{max(runs):.3f} | {first / median:.2f}x |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
