@@ -12,7 +12,6 @@ then each variant's median and range of s/step and its ratio to the first varian
 
 import argparse
 import statistics
-import sys
 
 import compare
 
@@ -40,10 +39,10 @@ def main():
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
     _, overrides, devices, batch = rows[args.row][:4]
+    parsed = {v: parse_variant(v) for v in args.variants}
     seconds = {v: [] for v in args.variants}
     for i in range(args.rounds):
-        for variant in args.variants:
-            extra, flags, repo = parse_variant(variant)
+        for variant, (extra, flags, repo) in parsed.items():
             result = compare.run_row(overrides, devices, batch, args.steps, extra, xla_flags=flags, repo=repo)
             seconds[variant].append(result["seconds"])
             print(f"round {i + 1} {variant!r}: {result['seconds']:.3f} s/step, loss {result['loss']:.4f}", flush=True)
@@ -56,4 +55,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -91,16 +91,15 @@ print(json.dumps({"seconds": sec, "tokens_per_second": c.global_batch_size * c.m
 """
 
 
-def cpu_env(devices, **extra):
-    """This process's environment with `devices` fake CPU devices."""
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-                **extra)
+def cpu_env(devices, xla_flags="", **extra):
+    """This process's environment with `devices` fake CPU devices (and any further XLA flags)."""
+    flags = f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip()
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
 
 
 def run_row(overrides, devices, batch, steps, extra, xla_flags="", repo=REPO):
     """One row's run in a subprocess; `repo`: the maxtrain checkout it imports (benchmarks/ab.py)."""
-    env = cpu_env(devices)
-    env["XLA_FLAGS"] += f" {xla_flags}"
+    env = cpu_env(devices, xla_flags)
     args = [str(Path(repo) / "configs" / "base.yml"), *overrides, f"per_device_batch_size={batch / devices}",
             "ici_fsdp_parallelism=-1", *extra]
     proc = subprocess.run([sys.executable, "-c", WORKER, str(steps), *args], capture_output=True, text=True,
