@@ -19,7 +19,9 @@ PYTHON is an interpreter with MaxText installed. MaxText needs Python >= 3.12, s
     python benchmarks/compare.py --maxtext /tmp/mt/bin/python
 
 MaxText logs the wall time between step dispatches; its s/step is the mean of those after three steps
-(compile, and a first step that only queued), over `--steps` steps.
+(compile, and a first step that only queued), over `--steps` steps. "ratio here" is MaxText's s/step
+over maxtrain's in the same round (the two ran back to back, so they share that stretch of the machine's
+speed): one figure for one round, the median and range over rounds for several.
 """
 
 import argparse
@@ -220,8 +222,8 @@ def main():
         here = ""
         if mt_runs:
             failed = [m for m in mt_runs if not isinstance(m, float)]
-            here = f"{failed[0]} |" if failed else \
-                f"{spread(mt_runs, 3, '')} | {statistics.median(mt_runs) / statistics.median(seconds):.2f}x"
+            paired = [mt / ours for mt, ours in zip(mt_runs, seconds)]  # each pair ran back to back
+            here = f"{failed[0]} |" if failed else f"{spread(mt_runs, 3, '')} | {spread(paired, 2, 'x')}"
         # MFU (against the float32 peak) that 1.2x MaxText's tokens/s would take on this machine.
         print(f"| {name} | {spread(seconds, 3, '')} | {r['tokens_per_second']:,.0f} | {100 * r['mfu']:.0f}% | "
               f"{mt_sec:.2f} | {mt_tps:,} | {ratio:.2f}x | {120 * r['mfu'] / ratio:.0f}% | "
@@ -240,8 +242,8 @@ def main():
             s = statistics.median(seconds)
             here = ""
             if args.maxtext:
-                mt_here = statistics.median(runs_mt[name])
-                here = f"{spread(runs_mt[name])} | {mt_here / s:.2f}x"
+                paired = [mt / ours for mt, ours in zip(runs_mt[name], seconds)]
+                here = f"{spread(runs_mt[name])} | {spread(paired, 2, 'x')}"
             print(f"| startup to first step (small), {name} | {spread(seconds)} | | | 15-20 s | | {17.5 / s:.2f}x | | | "
                   f"{here or ' |'} |", flush=True)
     if args.skip_aot:
