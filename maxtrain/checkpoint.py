@@ -72,10 +72,6 @@ class Checkpointer:
                                   model=ocp.args.JsonSave(model_signature(self.config)))
         return self.manager.save(step, args=args, force=force)
 
-    def reached_preemption(self, step: int) -> bool:
-        """True on every process once JAX's preemption notifier fired (multi-process runs)."""
-        return self.manager.reached_preemption(step)
-
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
@@ -94,8 +90,13 @@ class Checkpointer:
         where = str(self.directory / str(step))
         saved_model = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
         check_model(saved_model, self.config, where)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        except Exception as e:  # e.g. another optimizer or dtype: the saved tree does not fit this state
+            raise CheckpointError(f"{where}: cannot resume this run with this config ({type(e).__name__}: "
+                                  f"{first_line(e)}); a config that changes the train state needs a new "
+                                  f"run_name") from None
         return restored["state"], restored["data"]
 
 
@@ -109,9 +110,12 @@ def step_directory(path: str, key: str) -> Path:
     raise CheckpointError(f"{key}: {p} has no model description (expected {p}/model)")
 
 
+def first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
+
+
 def restore_failed(key: str, p: Path, e: Exception) -> CheckpointError:
-    first_line = str(e).splitlines()[0] if str(e) else ""
-    return CheckpointError(f"{key}: cannot restore {p}/state: {type(e).__name__}: {first_line}")
+    return CheckpointError(f"{key}: cannot restore {p}/state: {type(e).__name__}: {first_line(e)}")
 
 
 def read_model(p: Path) -> dict:

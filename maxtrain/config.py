@@ -176,6 +176,11 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) and 1.0e3 (no sign) as strings
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     else:

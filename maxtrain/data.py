@@ -262,18 +262,31 @@ def make_dataset(c: Config, documents, tokenizer: Tokenizer, *, process_index: i
 
 
 class GrainIterator:
-    """Turns each process's numpy batches into global jax.Arrays with the batch sharding."""
+    """Turns each process's numpy batches into global jax.Arrays with the batch sharding.
 
-    def __init__(self, dataset: grain.IterDataset, c: Config, batch_sharding):
+    `pad_after_end`: once this process's share is used up, yield batches of weight zero instead of
+    stopping. With several processes the shares end at different batches, and a process that stopped
+    would leave the others waiting in the step's collectives; the caller stops when a batch's global
+    token count is zero (evaluate() in train.py).
+    """
+
+    def __init__(self, dataset: grain.IterDataset, c: Config, batch_sharding, pad_after_end: bool = False):
         self._iter = iter(dataset)
         self._sharding = batch_sharding
         self._shape = (c.global_batch_size, c.max_target_length)
+        self._local_shape = (c.global_batch_size // jax.process_count(), c.max_target_length)
+        self._pad_after_end = pad_after_end
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        local = next(self._iter)
+        try:
+            local = next(self._iter)
+        except StopIteration:
+            if not self._pad_after_end:
+                raise
+            local = {k: np.zeros(self._local_shape, np.float32 if k == "weights" else np.int32) for k in BATCH_KEYS}
         return {k: jax.make_array_from_process_local_data(self._sharding, v, self._shape)
                 for k, v in local.items()}
 
@@ -294,8 +307,8 @@ def make_iterators(c: Config, batch_sharding):
     train_iter = GrainIterator(make_dataset(c, train_docs, tokenizer, train=True, **where), c, batch_sharding)
     if eval_docs is None:
         return train_iter, None
-    return train_iter, lambda: GrainIterator(
-        make_dataset(c, eval_docs, tokenizer, train=False, **where), c, batch_sharding)
+    return train_iter, lambda: GrainIterator(make_dataset(c, eval_docs, tokenizer, train=False, **where), c,
+                                             batch_sharding, pad_after_end=jax.process_count() > 1)
 
 
 def make_iterator(c: Config, batch_sharding):

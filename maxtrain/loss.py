@@ -95,7 +95,8 @@ def _fused_fwd(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_
 def _fused_bwd(chunk, dot_in_fp32, z_loss_multiplier, residuals, cotangents):
     d_x_BxLxD, d_out_DxV = residuals
     d_total = cotangents[0]  # ce_sum's is always zero: cross_entropy_loss stops its gradient
-    return (d_total * d_x_BxLxD).astype(d_x_BxLxD.dtype), d_total * d_out_DxV, None, None
+    # each gradient in its primal's dtype (a float32 scalar times bfloat16 would make float32)
+    return (d_total * d_x_BxLxD).astype(d_x_BxLxD.dtype), (d_total * d_out_DxV).astype(d_out_DxV.dtype), None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

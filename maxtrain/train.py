@@ -35,6 +35,11 @@ def load_config(argv: list[str], devices=None) -> config_lib.Config:
     """Parse and validate, start jax.distributed if the run is multi-process, then fit the mesh."""
     c = config_lib.load(argv)
     distributed.initialize(c)  # before anything touches devices
+    if jax.process_count() > 1 and c.num_epochs != -1 and c.dataset_type != "synthetic":
+        # Each process reads its own share of the documents and the shares end at different steps:
+        # the processes that ran out would stop while the others wait for them in the step.
+        raise config_lib.ConfigError("num_epochs", f"{c.num_epochs}: with several processes use -1 (repeat) "
+                                     "and end the run with steps")
     if c.compilation_cache_dir:  # a rerun of the same program loads its executables instead of compiling
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -51,10 +56,17 @@ def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
 def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer, batches):
     """Resume this run; else load_full_state_path; else load_parameters_path; else fresh init."""
     if checkpointer is not None:
+        from maxtrain import checkpoint as ckpt_lib
         restored = checkpointer.restore(trainer.abstract_state)
         if restored is not None:
             state, data_state = restored
-            batches.set_state(data_state)
+            try:
+                batches.set_state(data_state)
+            except Exception as e:  # saved by another kind of input pipeline
+                raise ckpt_lib.CheckpointError(
+                    f"{checkpointer.directory}/{int(state.step)}: its data position {str(data_state)[:80]} does not "
+                    f"fit this config's {c.dataset_type} data ({type(e).__name__}); resume with the data it was "
+                    f"saved with, or use a new run_name") from None
             say(f"resumed from {checkpointer.directory}/{int(state.step)}")
             return state
     if c.load_full_state_path:
@@ -78,23 +90,40 @@ def evaluate(c: config_lib.Config, trainer: step_lib.Trainer, params, make_eval_
         except StopIteration:
             break
         out = jax.device_get(trainer.eval_step(params, batch))
+        if out["tokens"] == 0:  # every process's share is used up (several processes pad; see data.py)
+            break
         loss_sum, tokens = loss_sum + float(out["loss_sum"]), tokens + float(out["tokens"])
     loss = loss_sum / max(tokens, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
 
 
-class StopSignal:
-    """Turns SIGTERM (what TPU, GKE and SLURM preemption send) into a flag the loop checks."""
+class Preemption:
+    """SIGTERM (what TPU, GKE and SLURM preemption send) as a step at which to save and stop.
+
+    One process: a handler sets a flag that the next step sees. Several processes: the signal may
+    reach each at a different step, so JAX's preemption service (started by jax.distributed.initialize,
+    with its own SIGTERM handler, which a Python handler would replace) agrees on one step for all.
+    """
 
     def __init__(self):
+        self.multiprocess = jax.process_count() > 1
         self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        if not self.multiprocess:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
 
+    def reached(self, step: int) -> bool:
+        """Call after every step (all processes, every step): True at the step to stop after."""
+        if self.multiprocess and not self.received:
+            from jax.experimental import multihost_utils
+            self.received = multihost_utils.reached_preemption_sync_point(step)
+        return self.received
+
     def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        if not self.multiprocess:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def train(c: config_lib.Config, devices=None) -> dict:
@@ -126,8 +155,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
         # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
         from maxtrain import checkpoint as ckpt_lib
         checkpointer = ckpt_lib.Checkpointer(c)
-    stop = StopSignal()
-    preempted = False
+    stop = Preemption()
+    preempted = exhausted = False
     with mesh_lib.activate(mesh, trainer.rules):
         state = initial_state(c, trainer, checkpointer, batches)
         train_step = compiling.result()
@@ -135,6 +164,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
         say(f"state ready and train step compiled in {t_start - t_compile:.1f} s")
         first_step = int(state.step)
         last_time, last_step = t_start, first_step  # the current step-time window
+        saved_step = evaluated_step = None
         pending, history, eval_history = None, [], []
 
         def read(step_done, device_metrics):
@@ -155,11 +185,18 @@ def train(c: config_lib.Config, devices=None) -> dict:
             say(metrics_lib.format_line(step_done, m))
             writer.write(step_done, m)
 
+        def save(step_done, force):
+            nonlocal saved_step
+            # the data state is only gathered for a save
+            if checkpointer.save(step_done, state, batches.get_state(), force=force):
+                saved_step = step_done
+
         def run_eval(step_done):
-            nonlocal last_time
+            nonlocal last_time, evaluated_step
             t0 = time.perf_counter()
             e = evaluate(c, trainer, state.params, make_eval_iterator)
             last_time += time.perf_counter() - t0  # keep eval out of the step-time window
+            evaluated_step = step_done
             eval_history.append(e["loss"])
             say(f"eval   {step_done:>6d} | loss {e['loss']:.4f} | perplexity {e['perplexity']:.3f} | "
                 f"{e['tokens']:,.0f} tokens")
@@ -170,14 +207,15 @@ def train(c: config_lib.Config, devices=None) -> dict:
                 batch = next(batches)
             except StopIteration:
                 say(f"data exhausted after num_epochs={c.num_epochs} at step {step}")
+                exhausted = True
                 break
             state, device_metrics = train_step(state, batch)
             done = step + 1
+            preempted = stop.reached(done)
             if checkpointer is not None:
-                preempted = stop.received or checkpointer.reached_preemption(done)
                 force = preempted or done == c.steps
-                if force or checkpointer.due(done):  # the data state is only gathered for a save
-                    checkpointer.save(done, state, batches.get_state(), force=force)
+                if force or checkpointer.due(done):
+                    save(done, force)
             if pending is not None:
                 read(*pending)
             pending = (done, device_metrics)
@@ -185,18 +223,24 @@ def train(c: config_lib.Config, devices=None) -> dict:
                 read(*pending)
                 pending = None
                 run_eval(done)
-            if preempted or (stop.received and checkpointer is None):
+            if preempted:
                 break
         if pending is not None:
             read(*pending)
-    stop.restore()
+        last = int(state.step)
+        if exhausted and last > first_step:  # the data's end is this run's end: save and evaluate it
+            if checkpointer is not None and saved_step != last:
+                save(last, True)
+            if make_eval_iterator and c.eval_interval and evaluated_step != last:
+                run_eval(last)
     if checkpointer is not None:
         checkpointer.close()  # waits until every pending save is durable
+    stop.restore()  # only now: a second SIGTERM during the final save must not cut it short
     writer.close()
-    if stop.received:
-        where = f"checkpoint saved at step {int(state.step)}; rerun the same command to resume" if preempted else \
+    if preempted:
+        where = f"checkpoint saved at step {last}; rerun the same command to resume" if checkpointer is not None else \
             "checkpointing is off, nothing saved"
-        say(f"stopped by SIGTERM after step {int(state.step)}: {where}")
+        say(f"stopped by SIGTERM after step {last}: {where}")
         return {"losses": history, "state": state, "preempted": True, "eval_losses": eval_history}
     elapsed = time.perf_counter() - t_start
     if not history:

@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import TINY, TESTS
+from conftest import SHAKESPEARE, TINY, TESTS
 
 CKPT = ("enable_checkpointing=true", "learning_rate_schedule_steps=20")
 FSDP8 = ("ici_fsdp_parallelism=8",)
@@ -44,6 +44,22 @@ def test_exact_resume_with_the_text_pipeline(train_tiny):
     resumed = train_tiny(*CKPT, *FSDP8, *text, "run_name=resumed", "steps=20", "checkpoint_period=5")
     assert resumed["losses"] == straight["losses"][10:]
     assert params_equal_bitwise(resumed["state"].params, straight["state"].params)
+
+
+def test_the_end_of_the_data_is_saved_and_evaluated(train_tiny, tmp_path):
+    # 40 short documents, one epoch: the data ends long before `steps`, between checkpoints and evals.
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n\n".join(f"document {i}: the quick brown fox jumps over the lazy dog" for i in range(40)))
+    args = (*CKPT, "dataset_type=text", f"train_files={docs}", "vocab_size=384", "max_target_length=16",
+            "eval_split_fraction=0.2", "num_epochs=1", "steps=1000", "checkpoint_period=1000", "eval_interval=1000")
+    out = train_tiny(*args, "run_name=ends")
+    last = len(out["losses"])
+    assert 0 < last < 1000 and int(out["state"].step) == last
+    assert (tmp_path / "ends" / "checkpoints" / str(last) / "state").is_dir()
+    assert len(out["eval_losses"]) == 1
+    # A rerun resumes there and has nothing left to read.
+    again = train_tiny(*args, "run_name=ends")
+    assert again["losses"] == [] and int(again["state"].step) == last
 
 
 def test_restore_onto_a_different_mesh(train_tiny):
@@ -164,6 +180,16 @@ def test_bad_checkpoints_give_one_line_and_exit_2(tmp_path):
     code, out, err = finish(cli("steps=4", "base_emb_dim=32", out=tmp_path))
     assert code == 2 and err.strip().startswith("checkpoint error:") and "base_emb_dim (checkpoint 64, config 32)" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # Another optimizer chain (no clipping) under the same run name: the saved state does not fit.
+    code, out, err = finish(cli("steps=4", "gradient_clipping_threshold=0", out=tmp_path))
+    assert code == 2 and "cannot resume this run with this config" in err, err[-2000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # Another input pipeline: the saved data position (synthetic) does not fit grain's.
+    code, _, err = finish(cli("run_name=d", "steps=2", "vocab_size=384", out=tmp_path))
+    assert code == 0, err[-2000:]
+    code, out, err = finish(cli("run_name=d", "steps=4", "vocab_size=384", "dataset_type=text",
+                                f"train_files={SHAKESPEARE}", out=tmp_path))
+    assert code == 2 and "data position" in err and "Traceback" not in err, err[-2000:]
     # A path that does not exist.
     code, out, err = finish(cli("run_name=x", f"load_parameters_path={tmp_path}/nope", out=tmp_path))
     assert code == 2 and "load_parameters_path:" in err and "Traceback" not in err

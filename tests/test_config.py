@@ -76,6 +76,14 @@ def test_wrong_type_in_file(tmp_path):
     assert e.key == "steps" and "expected int" in str(e)
 
 
+def test_floats_yaml_reads_as_strings(tmp_path):
+    (tmp_path / "x.yml").write_text("learning_rate: 3e-4\nadam_eps: 1.0e8\n")
+    c = config.load([str(tmp_path / "x.yml")])
+    assert c.learning_rate == 3e-4 and c.adam_eps == 1.0e8
+    (tmp_path / "y.yml").write_text("learning_rate: 3e-4x\n")
+    assert "expected float" in str(error_of([str(tmp_path / "y.yml")]))
+
+
 @pytest.mark.parametrize("key,value", [("remat_policy", "sometimes"), ("dtype", "float16"),
                                         ("weight_dtype", "int8"), ("dataset_type", "csv"),
                                         ("learning_rate_schedule", "step"), ("attention", "flash")])

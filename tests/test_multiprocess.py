@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TINY, TESTS
+from conftest import SHAKESPEARE, TINY, TESTS
 
 REPO = TESTS.parent
 LAUNCH = str(REPO / "scripts" / "launch_local.sh")
@@ -84,3 +84,66 @@ def test_a_dead_process_stops_the_job_within_the_heartbeat_bound(tmp_path):
         raise AssertionError("the surviving process did not exit within 90 s")
     assert code != 0
     print(f"job exited {time.time() - t0:.1f} s after the kill")
+
+
+FSDP8_2P = ("ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_one_saved_step(tmp_path):
+    """A scheduler's SIGTERM reaches hosts at different steps (here: only process 1). JAX's preemption
+    service agrees on one step: both save it and exit 0, and a rerun resumes there."""
+    env = dict(os.environ, MAXTRAIN_LOG_DIR=str(tmp_path / "logs"), MAXTRAIN_DEVICES_PER_PROCESS="4")
+    args = [LAUNCH, "2", TINY, f"base_output_directory={tmp_path}", "log_period=1", "enable_checkpointing=true",
+            "checkpoint_period=100000", *FSDP8_2P]
+    proc = subprocess.Popen([*args, "steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO, start_new_session=True)
+    for line in proc.stdout:
+        if "step      3 |" in line:
+            break
+    victim = subprocess.run(["pgrep", "-f", f"base_output_directory={tmp_path} .*process_id=1"],
+                            capture_output=True, text=True).stdout.split()
+    assert victim, "process 1 not found"
+    os.kill(int(victim[0]), signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the job did not stop within 180 s of the SIGTERM")
+    assert proc.returncode == 0, err[-3000:]
+    line = [x for x in out.splitlines() if "stopped by SIGTERM" in x][0]
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert "checkpoint saved" in line and (tmp_path / "tiny" / "checkpoints" / str(step) / "state").is_dir()
+    rerun = subprocess.run([*args, f"steps={step + 2}"], capture_output=True, text=True, env=env, cwd=REPO,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {tmp_path}/tiny/checkpoints/{step}" in rerun.stdout and f"done: {step + 2} steps" in rerun.stdout
+
+
+@pytest.mark.slow
+def test_eval_shares_that_end_at_different_batches(tmp_path, tiny_config):
+    """Process 0 reads the even (long) eval documents, process 1 the odd (short) ones, so process 1's
+    share ends first: it must pad until both are done, and the eval counts every token of both shares."""
+    from maxtrain import data
+    from maxtrain.tokenizer import make_tokenizer
+    eval_file = tmp_path / "eval.txt"
+    eval_file.write_text("\n\n".join(("long " * 60 if i % 2 == 0 else "short " * 12) for i in range(8)))
+    text = ("dataset_type=text", "vocab_size=384", "max_target_length=16", f"train_files={SHAKESPEARE}",
+            f"eval_files={eval_file}")
+    proc = launch(tmp_path, "steps=2", "eval_interval=2", "eval_steps=1000", *text, *FSDP8_2P, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("eval ")][0]
+    tokens = float(line.split("|")[-1].split()[0].replace(",", ""))
+    c = tiny_config(*text)  # 8 devices: global batch 8, as the two processes' 2 x 4
+    docs = data.document_source(c, [str(eval_file)])
+    shares = [sum(float(b["weights"].sum()) for b in data.make_dataset(
+        c, docs, make_tokenizer(c), process_index=i, process_count=2, train=False)) for i in range(2)]
+    assert shares[0] > shares[1] > 0 and tokens == sum(shares)
+
+
+@pytest.mark.slow
+def test_finite_epochs_with_several_processes_are_refused(tmp_path):
+    proc = launch(tmp_path, "dataset_type=text", "vocab_size=384", f"train_files={SHAKESPEARE}", "num_epochs=1",
+                  timeout=120)
+    assert proc.returncode == 2 and "config error: num_epochs: 1: with several processes" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -43,6 +43,16 @@ def test_gradient_accumulation_single_device(tiny_config):
         np.testing.assert_allclose(a, b, atol=1e-8)
 
 
+def test_bfloat16_weights_with_gradient_accumulation(tiny_config):
+    # The output matrix's gradient must come back in its own dtype, or the accumulator's type changes.
+    devices = jax.devices()[:1]
+    c = tiny_config("per_device_batch_size=4", "weight_dtype=bfloat16", "gradient_accumulation_steps=2",
+                    devices=devices)
+    params, metrics = one_step(c, devices)
+    assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    assert np.isfinite(metrics["loss"]) and metrics["tokens"] == 4 * 32
+
+
 def one_device_setup(tiny_config, masked_from: int, overrides=()):
     """Tiny trainer and params on one device, and a batch of 2 whose targets from `masked_from` on
     have weight 0."""
