@@ -76,16 +76,23 @@ def _import_tensorboardx():
 
 
 class MetricsWriter:
-    """One line to stdout per log, JSONL and tensorboardX under the run directory (process 0 only)."""
+    """One line to stdout per log, JSONL and tensorboardX under the run directory (process 0 only).
 
-    def __init__(self, run_dir: Path, enable_tensorboard: bool):
+    `start_step`: the step the run starts from. What an earlier attempt logged after it (it ran past
+    its last checkpoint before it was killed) is dropped, so a resumed run's logs hold each step once.
+    """
+
+    def __init__(self, run_dir: Path, enable_tensorboard: bool, start_step: int = 0):
         self.active = jax.process_index() == 0
         self._jsonl = self._tb = None
         if self.active:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(run_dir / "metrics.jsonl", "a")
-            if enable_tensorboard:
-                self._tb = _import_tensorboardx().SummaryWriter(str(run_dir / "tensorboard"))
+            path = run_dir / "metrics.jsonl"
+            _drop_steps_after(path, start_step)
+            self._jsonl = open(path, "a")
+            if enable_tensorboard:  # tensorboard hides the events of steps >= purge_step from earlier files
+                self._tb = _import_tensorboardx().SummaryWriter(str(run_dir / "tensorboard"),
+                                                                purge_step=start_step + 1)
 
     def write(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
         if not self.active:
@@ -101,6 +108,24 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+
+
+def _drop_steps_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+
+    def step_of(line: str) -> float:
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            return float("inf")
+
+    kept = [line for line in lines if step_of(line) <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)  # atomic: a kill now leaves the old file or the new one
 
 
 def format_line(step: int, m: dict[str, float]) -> str:

@@ -143,8 +143,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
     compiler.shutdown(wait=False)
 
     run_dir = Path(c.base_output_directory) / c.run_name
-    writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard)
-    if writer.active:
+    if jax.process_index() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yml").write_text(c.to_yaml())
     tokens_per_step = c.global_batch_size * c.max_target_length
     flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
@@ -159,6 +159,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     preempted = exhausted = False
     with mesh_lib.activate(mesh, trainer.rules):
         state = initial_state(c, trainer, checkpointer, batches)
+        writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=int(state.step))
         train_step = compiling.result()
         t_start = time.perf_counter()
         say(f"state ready and train step compiled in {t_start - t_compile:.1f} s")

@@ -1,7 +1,9 @@
 """Checkpoints: exact resume, restore across meshes, SIGTERM, kill -9 at random moments, bad paths."""
 
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +46,18 @@ def test_exact_resume_with_the_text_pipeline(train_tiny):
     resumed = train_tiny(*CKPT, *FSDP8, *text, "run_name=resumed", "steps=20", "checkpoint_period=5")
     assert resumed["losses"] == straight["losses"][10:]
     assert params_equal_bitwise(resumed["state"].params, straight["state"].params)
+
+
+def test_a_resumed_run_logs_each_step_once(train_tiny, tmp_path):
+    # Checkpoints at 3 and 5; without the one at 5 (as if killed before it), a rerun resumes from 3
+    # and logs 4 and 5 again: the first attempt's lines for them must go.
+    train_tiny(*CKPT, "run_name=again", "steps=5", "checkpoint_period=3", "enable_tensorboard=true")
+    shutil.rmtree(tmp_path / "again" / "checkpoints" / "5")
+    with open(tmp_path / "again" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "train/lo')  # and a line cut short by the kill
+    train_tiny(*CKPT, "run_name=again", "steps=6", "checkpoint_period=3", "enable_tensorboard=true")
+    rows = [json.loads(x) for x in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
 
 
 def test_the_end_of_the_data_is_saved_and_evaluated(train_tiny, tmp_path):
