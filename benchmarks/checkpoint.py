@@ -73,7 +73,7 @@ def main():
         sync_ckpt.close()
 
         t0 = time.perf_counter()
-        restored, _ = ckpt_lib.Checkpointer(c).restore(trainer.abstract_state)
+        restored = ckpt_lib.Checkpointer(c).restore(trainer.abstract_state, batches)
         jax.block_until_ready(restored)
         restore = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)

@@ -82,8 +82,9 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
-    def restore(self, abstract_state) -> tuple[Any, dict] | None:
-        """Resume this run from its latest complete step, or return None if it has none."""
+    def restore(self, abstract_state, batches):
+        """Resume this run from its latest complete step: returns the state and puts `batches` (the data
+        iterator) back at its saved position; None if the run has no checkpoint."""
         step = self.latest_step()
         if step is None:
             return None
@@ -97,7 +98,13 @@ class Checkpointer:
             raise CheckpointError(f"{where}: cannot resume this run with this config ({type(e).__name__}: "
                                   f"{first_line(e)}); a config that changes the train state needs a new "
                                   f"run_name") from None
-        return restored["state"], restored["data"]
+        try:
+            batches.set_state(restored["data"])
+        except Exception as e:  # saved by another kind of input pipeline
+            raise CheckpointError(f"{where}: its data position {str(restored['data'])[:80]} does not fit this "
+                                  f"config's {self.config.dataset_type} data ({type(e).__name__}); resume with "
+                                  f"the data it was saved with, or use a new run_name") from None
+        return restored["state"]
 
 
 def step_directory(path: str, key: str) -> Path:

@@ -56,17 +56,8 @@ def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
 def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer, batches):
     """Resume this run; else load_full_state_path; else load_parameters_path; else fresh init."""
     if checkpointer is not None:
-        from maxtrain import checkpoint as ckpt_lib
-        restored = checkpointer.restore(trainer.abstract_state)
-        if restored is not None:
-            state, data_state = restored
-            try:
-                batches.set_state(data_state)
-            except Exception as e:  # saved by another kind of input pipeline
-                raise ckpt_lib.CheckpointError(
-                    f"{checkpointer.directory}/{int(state.step)}: its data position {str(data_state)[:80]} does not "
-                    f"fit this config's {c.dataset_type} data ({type(e).__name__}); resume with the data it was "
-                    f"saved with, or use a new run_name") from None
+        state = checkpointer.restore(trainer.abstract_state, batches)
+        if state is not None:
             say(f"resumed from {checkpointer.directory}/{int(state.step)}")
             return state
     if c.load_full_state_path:
