@@ -53,6 +53,20 @@ def test_bfloat16_weights_with_gradient_accumulation(tiny_config):
     assert np.isfinite(metrics["loss"]) and metrics["tokens"] == 4 * 32
 
 
+def test_the_step_donates_the_state(tiny_config):
+    # The new state reuses the old state's buffers: a step holds one copy of params and moments, not two.
+    devices = jax.devices()[:2]
+    c = tiny_config(devices=devices)
+    mesh = mesh_lib.make_mesh(c, devices)
+    trainer = step_lib.build(c, mesh)
+    with mesh_lib.activate(mesh, trainer.rules):
+        state = trainer.init(jax.random.key(0))
+        batch = next(data.make_iterator(c, trainer.batch_sharding))
+        new_state, _ = trainer.compile_train_step()(state, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(new_state)) and not batch["inputs"].is_deleted()
+
+
 def one_device_setup(tiny_config, masked_from: int, overrides=()):
     """Tiny trainer and params on one device, and a batch of 2 whose targets from `masked_from` on
     have weight 0."""

@@ -51,6 +51,34 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     assert (again.ici_fsdp_parallelism, again.steps, again.base_emb_dim) == (4, 12, 64)
 
 
+def test_the_loop_reads_each_step_metrics_after_queueing_the_next(train_tiny, monkeypatch):
+    # No host sync in the loop: step N's metrics are fetched only once step N+1 is queued, so the
+    # device never waits on the host (nanodo's loop). Logged: D<n> = step n dispatched, R<n> = read.
+    import jax
+    from maxtrain import step as step_lib
+    events, step_of = [], {}
+    compile_step, device_get = step_lib.Trainer.compile_train_step, jax.device_get
+
+    def logged_compile(self):
+        compiled = compile_step(self)
+
+        def dispatch(state, batch):
+            state, metrics = compiled(state, batch)
+            step_of[id(metrics)] = len(step_of) + 1
+            events.append(f"D{step_of[id(metrics)]}")
+            return state, metrics
+        return dispatch
+
+    def logged_get(x):
+        if id(x) in step_of:
+            events.append(f"R{step_of[id(x)]}")
+        return device_get(x)
+    monkeypatch.setattr(step_lib.Trainer, "compile_train_step", logged_compile)
+    monkeypatch.setattr(jax, "device_get", logged_get)
+    assert len(train_tiny("steps=4", "log_period=2", n_devices=2)["losses"]) == 4
+    assert events == ["D1", "D2", "R1", "D3", "R2", "D4", "R3", "R4"]
+
+
 @pytest.mark.slow
 def test_dry_run_prints_parameter_table_and_memory(tmp_path):
     proc = run_cli(TINY, f"base_output_directory={tmp_path}", "dry_run=true", "ici_tensor_parallelism=2")
