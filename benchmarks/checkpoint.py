@@ -42,7 +42,7 @@ def main():
             for _ in range(steps):
                 state, m = trainer.train_step(state, next(batches))
                 step = int(state.step)
-                if checkpointer is not None and checkpointer.manager.should_save(step):
+                if checkpointer is not None and checkpointer.due(step):
                     jax.block_until_ready(state)  # time the save itself, not the step it waits for
                     s0 = time.perf_counter()
                     checkpointer.save(step, state, batches.get_state())
@@ -59,7 +59,7 @@ def main():
         # One async save timed to durability, and one synchronous save.
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        async_ckpt.save(int(state.step) + 1000, state, batches.get_state(), force=True)
+        async_ckpt.save(int(state.step) + 1000, state, batches.get_state())
         async_blocked = time.perf_counter() - t0
         async_ckpt.wait()
         async_total = time.perf_counter() - t0
@@ -67,7 +67,7 @@ def main():
         sync_c = c.replace(async_checkpointing=False, run_name="sync")
         sync_ckpt = ckpt_lib.Checkpointer(sync_c)
         t0 = time.perf_counter()
-        sync_ckpt.save(1, state, batches.get_state(), force=True)
+        sync_ckpt.save(1, state, batches.get_state())
         sync_ckpt.wait()
         sync_total = time.perf_counter() - t0
         sync_ckpt.close()

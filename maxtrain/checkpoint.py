@@ -54,7 +54,6 @@ class Checkpointer:
             log.warning("ignoring incomplete checkpoint %s (a save was interrupted)", leftover)
             print(f"warning: ignoring incomplete checkpoint {leftover.name} (a save was interrupted)")
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=c.checkpoint_period,
             max_to_keep=c.max_num_checkpoints_to_keep or None,
             enable_async_checkpointing=c.async_checkpointing,
             cleanup_tmp_directories=True,
@@ -63,14 +62,15 @@ class Checkpointer:
                                              item_names=("state", "data", "model"))
 
     def due(self, step: int) -> bool:
-        return self.manager.should_save(step)
+        """Every checkpoint_period steps. (Orbax's own schedule would also save a run's first step.)"""
+        return step % self.config.checkpoint_period == 0
 
-    def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
-        """Starts a save if `step` is due (or forced); returns once device buffers are copied."""
+    def save(self, step: int, state, data_state: dict) -> None:
+        """Starts saving `step` (the loop decides when); returns once device buffers are copied."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=ocp.args.JsonSave(data_state),
                                   model=ocp.args.JsonSave(model_signature(self.config)))
-        return self.manager.save(step, args=args, force=force)
+        self.manager.save(step, args=args, force=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

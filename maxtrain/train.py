@@ -177,11 +177,10 @@ def train(c: config_lib.Config, devices=None) -> dict:
             say(metrics_lib.format_line(step_done, m))
             writer.write(step_done, m)
 
-        def save(step_done, force):
+        def save(step_done):
             nonlocal saved_step
-            # the data state is only gathered for a save
-            if checkpointer.save(step_done, state, batches.get_state(), force=force):
-                saved_step = step_done
+            checkpointer.save(step_done, state, batches.get_state())  # the data state is gathered only here
+            saved_step = step_done
 
         def run_eval(step_done):
             nonlocal last_time, evaluated_step
@@ -204,10 +203,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
             state, device_metrics = train_step(state, batch)
             done = step + 1
             preempted = stop.reached(done)
-            if checkpointer is not None:
-                force = preempted or done == c.steps
-                if force or checkpointer.due(done):
-                    save(done, force)
+            if checkpointer is not None and (preempted or done == c.steps or checkpointer.due(done)):
+                save(done)
             if pending is not None:
                 read(*pending)
             pending = (done, device_metrics)
@@ -222,7 +219,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
         last = int(state.step)
         if exhausted and last > first_step:  # the data's end is this run's end: save and evaluate it
             if checkpointer is not None and saved_step != last:
-                save(last, True)
+                save(last)
             if make_eval_iterator and c.eval_interval and evaluated_step != last:
                 run_eval(last)
     if checkpointer is not None:
