@@ -79,6 +79,27 @@ def test_the_loop_reads_each_step_metrics_after_queueing_the_next(train_tiny, mo
     assert events == ["D1", "D2", "R1", "D3", "R2", "D4", "R3", "R4"]
 
 
+def test_the_cpu_peak_probe_runs_after_the_compile(train_tiny, monkeypatch):
+    # MFU's denominator on CPU is a matmul probe; run beside the step's compile (on a thread) it
+    # shares the cores, reads a fraction of their rate and puts MFU over 100%.
+    from maxtrain import metrics, step as step_lib
+    compiled, probe_saw_compiled = [], []
+    compile_step, probe = step_lib.Trainer.compile_train_step, metrics.measure_cpu_peak_tflops
+
+    def tracked_compile(self):
+        result = compile_step(self)
+        compiled.append(True)
+        return result
+
+    def tracked_probe(*args, **kwargs):
+        probe_saw_compiled.append(bool(compiled))
+        return probe(*args, **kwargs)
+    monkeypatch.setattr(step_lib.Trainer, "compile_train_step", tracked_compile)
+    monkeypatch.setattr(metrics, "measure_cpu_peak_tflops", tracked_probe)
+    train_tiny("peak_tflops_per_device=0", "steps=2", n_devices=1)
+    assert probe_saw_compiled == [True]
+
+
 @pytest.mark.slow
 def test_dry_run_prints_parameter_table_and_memory(tmp_path):
     proc = run_cli(TINY, f"base_output_directory={tmp_path}", "dry_run=true", "ici_tensor_parallelism=2")
