@@ -145,6 +145,27 @@ class Attention(nn.Module):
         return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT)
 
 
+@jax.custom_vjp
+def matmul(x, w_DxF):
+    """x[..., D] @ w, with the weight gradient written as x^T @ g over the flattened rows. The same
+    math as autodiff's, but from autodiff's form XLA:CPU (float32) makes a dot outside YNNPACK and a
+    slow transposing fusion for the [rows, F] gradient: ~7% of a small float32 step."""
+    return x @ w_DxF
+
+
+def _matmul_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _matmul_bwd(residuals, g):
+    x, w = residuals
+    x_RxD, g_RxF = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    return (g @ w.T).astype(x.dtype), (x_RxD.T @ g_RxF).astype(w.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
 class MLP(nn.Module):
     args: ModelArgs
 
@@ -156,10 +177,10 @@ class MLP(nn.Module):
         down_FxD = dense_weight(self, "wo", (a.mlp, a.embed), ("mlp", "embed"))
 
         def mlp(x_BxCxD):
-            gate_BxCxF = checkpoint_name(x_BxCxD @ gate_DxF, remat.MLP_IN)
-            up_BxCxF = checkpoint_name(x_BxCxD @ up_DxF, remat.MLP_IN)
+            gate_BxCxF = checkpoint_name(matmul(x_BxCxD, gate_DxF), remat.MLP_IN)
+            up_BxCxF = checkpoint_name(matmul(x_BxCxD, up_DxF), remat.MLP_IN)
             h_BxCxF = constrain(nn.silu(gate_BxCxF) * up_BxCxF, ("batch", "length", "mlp"))
-            return checkpoint_name(h_BxCxF @ down_FxD, remat.MLP_OUT)
+            return checkpoint_name(matmul(h_BxCxF, down_FxD), remat.MLP_OUT)
 
         length = x_BxLxD.shape[1]
         if not a.mlp_chunk or length % a.mlp_chunk or length == a.mlp_chunk:

@@ -8,7 +8,7 @@ import pytest
 
 import maxtrain.attention
 from maxtrain import config, remat
-from maxtrain.model import Decoder, ModelArgs, stack_layers, unstack_layers
+from maxtrain.model import Decoder, ModelArgs, matmul, stack_layers, unstack_layers
 
 
 def build(c):
@@ -159,3 +159,17 @@ def test_splash_attention_matches_dot_product(tiny_config):
     positions = jnp.concatenate([jnp.arange(50), jnp.arange(78)])[None].repeat(2, 0)
     np.testing.assert_allclose(logits(splash, params, tokens, positions, segments),
                                logits(model, params, tokens, positions, segments), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_gradients_equal_autodiff(dtype):
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, (2, 3, 8), dtype), jax.random.normal(kw, (8, 5), dtype)
+    g = jax.random.normal(kg, (2, 3, 5), dtype)
+    ours = jax.vjp(matmul, x, w)
+    plain = jax.vjp(lambda a, b: a @ b, x, w)
+    np.testing.assert_array_equal(ours[0], plain[0])
+    for a, b in zip(ours[1](g), plain[1](g), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        rtol = 1e-2 if dtype == jnp.bfloat16 else 1e-5  # only the summation order differs
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol)
