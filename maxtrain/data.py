@@ -31,7 +31,10 @@ class DataError(UserError, RuntimeError):
     kind = "data"
 
 
-BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")  # a batch's [batch, length] arrays
+# A batch's [batch, length] arrays and their dtypes.
+BATCH_DTYPES = {"inputs": np.int32, "targets": np.int32, "positions": np.int32, "segment_ids": np.int32,
+                "weights": np.float32}
+BATCH_KEYS = tuple(BATCH_DTYPES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +289,7 @@ class GrainIterator:
         except StopIteration:
             if not self._pad_after_end:
                 raise
-            local = {k: np.zeros(self._local_shape, np.float32 if k == "weights" else np.int32) for k in BATCH_KEYS}
+            local = {k: np.zeros(self._local_shape, dtype) for k, dtype in BATCH_DTYPES.items()}
         return {k: jax.make_array_from_process_local_data(self._sharding, v, self._shape)
                 for k, v in local.items()}
 

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain import loss, mesh as mesh_lib
 from maxtrain.config import Config
-from maxtrain.data import BATCH_KEYS
+from maxtrain.data import BATCH_DTYPES
 from maxtrain.model import Decoder, ModelArgs
 from maxtrain.optimizer import learning_rate_schedule, make_optimizer
 
@@ -62,8 +62,8 @@ class Trainer:
 
     def abstract_batch(self) -> dict:
         """Shapes, dtypes and shardings of one global batch, for lowering without data."""
-        return {k: jax.ShapeDtypeStruct(self.global_batch_shape, jnp.float32 if k == "weights" else jnp.int32,
-                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+        return {k: jax.ShapeDtypeStruct(self.global_batch_shape, dtype, sharding=self.batch_sharding)
+                for k, dtype in BATCH_DTYPES.items()}
 
     def compile_train_step(self):
         """`train_step` compiled ahead of time for the state and batch layout, without any data.

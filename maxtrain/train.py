@@ -99,7 +99,10 @@ class Preemption:
     def __init__(self):
         self.multiprocess = jax.process_count() > 1
         self.received = False
-        if not self.multiprocess:
+        if self.multiprocess:
+            from jax.experimental import multihost_utils
+            self._sync_point = multihost_utils.reached_preemption_sync_point
+        else:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
@@ -108,8 +111,7 @@ class Preemption:
     def reached(self, step: int) -> bool:
         """Call after every step (all processes, every step): True at the step to stop after."""
         if self.multiprocess and not self.received:
-            from jax.experimental import multihost_utils
-            self.received = multihost_utils.reached_preemption_sync_point(step)
+            self.received = self._sync_point(step)
         return self.received
 
     def restore(self):
