@@ -98,18 +98,23 @@ def build(c: Config, mesh) -> Trainer:
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
     batch_sharding = mesh_lib.sharding_for(("batch", "length"), mesh, rules)
-    # On CPU most of init's compile time goes to LLVM optimizing random-number code that runs once:
-    # level 1 and the older loop emitters compile it in less than half the time (1.3 s against 3.1 s
-    # for the small benchmark), run about as fast, and give the same bits. (Not for the step: there
-    # they cost 17% of the medium row's step time.)
-    fast_compile = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False} \
-        if mesh.devices.flat[0].platform == "cpu" else None
-    init = jax.jit(init_state, out_shardings=state_shardings, compiler_options=fast_compile)
+    # On CPU most of the compile time goes to LLVM, and at level 1 it takes less of it: the small
+    # benchmark's step compiles in ~20% less CPU time and runs as fast (its matmuls are library
+    # calls), equal to the default's results up to float32 rounding. Init, which runs once, also
+    # takes the older loop emitters: less than half the compile time of its random-number code (1.3 s
+    # against 3.1 s), run about as fast, same bits. (Not for the step: there the loop emitters cost
+    # 17% of the medium row's step time.)
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    cpu_compile = {"xla_backend_optimization_level": 1} if on_cpu else None
+    init_compile = {**cpu_compile, "xla_cpu_use_fusion_emitters": False} if on_cpu else None
+    init = jax.jit(init_state, out_shardings=state_shardings, compiler_options=init_compile)
     step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
-                         out_shardings=(state_shardings, replicated), donate_argnums=0)
+                         out_shardings=(state_shardings, replicated), donate_argnums=0,
+                         compiler_options=cpu_compile)
     eval_step = jax.jit(lambda params, batch: loss_fn(params, model, batch, 0.0, c.loss_chunk_size)[1],
-                        in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+                        in_shardings=(param_shardings, batch_sharding), out_shardings=replicated,
+                        compiler_options=cpu_compile)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_shardings)
     return Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
