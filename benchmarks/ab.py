@@ -2,7 +2,8 @@
 
     python benchmarks/ab.py [--rounds 3] [--steps 4] ROW -- VARIANT [VARIANT ...]
 
-ROW is a row name of compare.py ("small", "medium remat minimal", ...). A VARIANT is a space-separated
+ROW is a row name of compare.py ("small", "medium remat minimal", ...), or "startup": compare.py's
+cold startup row (process start to the first step, an empty compilation cache each run). A VARIANT is a space-separated
 mix of config overrides (`remat_policy=minimal`), XLA flags (`--xla_cpu_...=...`) and `repo=PATH`, which
 runs the row on another checkout of maxtrain (e.g. the commit before a change:
 `git worktree add /tmp/before HEAD~1`); "" is the row as compare.py runs it. The `--` keeps a
@@ -13,6 +14,7 @@ then each variant's median and range of s/step and its ratio to the first varian
 
 import argparse
 import statistics
+import tempfile
 
 import compare
 
@@ -32,24 +34,31 @@ def parse_variant(text: str):
 def main():
     rows = {row[0]: row for row in compare.ROWS}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("row", choices=sorted(rows))
+    parser.add_argument("row", choices=sorted(rows) + ["startup"])
     parser.add_argument("variants", nargs="+")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
-    _, overrides, devices, batch = rows[args.row][:4]
     parsed = {v: parse_variant(v) for v in args.variants}
     seconds = {v: [] for v in args.variants}
     for i in range(args.rounds):
         for variant, (extra, flags, repo) in parsed.items():
+            if args.row == "startup":
+                with tempfile.TemporaryDirectory() as cache:
+                    seconds[variant].append(compare.startup_seconds(extra, cache, xla_flags=flags, repo=repo))
+                print(f"round {i + 1} {variant!r}: {seconds[variant][-1]:.2f} s to the first step", flush=True)
+                continue
+            _, overrides, devices, batch = rows[args.row][:4]
             result = compare.run_row(overrides, devices, batch, args.steps, extra, xla_flags=flags, repo=repo)
             seconds[variant].append(result["seconds"])
             print(f"round {i + 1} {variant!r}: {result['seconds']:.3f} s/step, loss {result['loss']:.4f}", flush=True)
     first = statistics.median(seconds[args.variants[0]])
-    print(f"\n{args.row}, {args.rounds} interleaved rounds of {args.steps} steps")
-    print("| variant | median s/step | range | first / this |\n|---|---|---|---|")
+    what = "cold starts" if args.row == "startup" else f"rounds of {args.steps} steps"
+    unit = "s to the first step" if args.row == "startup" else "s/step"
+    print(f"\n{args.row}, {args.rounds} interleaved {what}")
+    print(f"| variant | median {unit} | range | first / this |\n|---|---|---|---|")
     for variant, runs in seconds.items():
         median = statistics.median(runs)
         print(f"| {variant or '(as compare.py)'} | {median:.3f} | {min(runs):.3f}-{max(runs):.3f} | {first / median:.2f}x |")

@@ -167,12 +167,13 @@ def seconds_to_line(command, env, cwd, text):
     return seconds
 
 
-def startup_seconds(extra, cache_dir):
+def startup_seconds(extra, cache_dir, xla_flags="", repo=REPO):
     """Process start to the first completed step of the small config, as a user runs it."""
-    command = [sys.executable, "-m", "maxtrain.train", BASE, *SMALL, "per_device_batch_size=4", "steps=1",
-               "enable_checkpointing=false", "base_output_directory=/tmp/maxtrain_compare", "peak_tflops_per_device=1",
+    command = [sys.executable, "-m", "maxtrain.train", str(Path(repo) / "configs" / "base.yml"), *SMALL,
+               "per_device_batch_size=4", "steps=1", "enable_checkpointing=false",
+               "base_output_directory=/tmp/maxtrain_compare", "peak_tflops_per_device=1",
                f"compilation_cache_dir={cache_dir}", *extra]
-    return seconds_to_line(command, cpu_env(1), REPO, "first step")
+    return seconds_to_line(command, cpu_env(1, xla_flags), repo, "first step")
 
 
 def maxtext_startup_seconds(python, cache_dir):
@@ -180,6 +181,15 @@ def maxtext_startup_seconds(python, cache_dir):
     with tempfile.TemporaryDirectory() as out:
         command = maxtext_command(python, SMALL, 1, 4, 2, out, [f"jax_cache_dir={cache_dir}"])
         return seconds_to_line(*command, out, "completed step: 0") if command else float("nan")
+
+
+def cpu_model() -> str:
+    """The CPU's name from /proc/cpuinfo (Linux), since the machine behind a table changes over time."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        return "unknown CPU"
 
 
 def spread(seconds, digits=1, unit=" s"):
@@ -213,7 +223,7 @@ def main():
         parser.error("--rounds and --startup-runs: at least 1")
     if args.maxtext and maxtext_base_yml(args.maxtext) is None:
         parser.error(f"--maxtext: {args.maxtext} cannot import maxtext")
-    print(f"{time.strftime('%Y-%m-%d')} | {os.cpu_count()} CPU cores | overrides: {' '.join(extra) or '(none)'}")
+    print(f"{time.strftime('%Y-%m-%d')} | {os.cpu_count()} CPU cores, {cpu_model()} | overrides: {' '.join(extra) or '(none)'}")
     print("| workload | maxtrain s/step | tokens/s | MFU (all FLOPs) | MaxText s/step (issue) | MaxText tokens/s | ratio "
           "| 1.2x needs: MFU (all FLOPs) | matmul peak f32 / bf16 GFLOP/s | MaxText s/step here | ratio here |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
