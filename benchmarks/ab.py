@@ -3,13 +3,14 @@
     python benchmarks/ab.py [--rounds 3] [--steps 4] ROW -- VARIANT [VARIANT ...]
 
 ROW is a row name of compare.py ("small", "medium remat minimal", ...), or "startup": compare.py's
-cold startup row (process start to the first step, an empty compilation cache each run). A VARIANT is a space-separated
-mix of config overrides (`remat_policy=minimal`), XLA flags (`--xla_cpu_...=...`) and `repo=PATH`, which
-runs the row on another checkout of maxtrain (e.g. the commit before a change:
-`git worktree add /tmp/before HEAD~1`); "" is the row as compare.py runs it. The `--` keeps a
-variant that starts with an XLA flag from being read as an option of this script. On a shared, noisy machine
-only runs taken one right after the other compare fairly, hence the interleaving: it prints each run,
-then each variant's median and range of s/step and its ratio to the first variant's median.
+cold startup row (process start to the first step, an empty compilation cache each run; --steps does
+not apply). A VARIANT is a space-separated mix of config overrides (`remat_policy=minimal`), XLA flags
+(`--xla_cpu_...=...`) and `repo=PATH`, which runs the row on another checkout of maxtrain (e.g. the
+commit before a change: `git worktree add /tmp/before HEAD~1`); "" is the row as compare.py runs it.
+The `--` keeps a variant that starts with an XLA flag from being read as an option of this script. On
+a shared, noisy machine only runs taken one right after the other compare fairly, hence the
+interleaving: it prints each run, then each variant's median and range of s/step (or seconds to the
+first step) and its ratio to the first variant's median.
 """
 
 import argparse
