@@ -42,22 +42,27 @@ def main():
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
+    if args.row == "startup":
+        def measure(extra, flags, repo):
+            with tempfile.TemporaryDirectory() as cache:  # empty: a cold start
+                sec = compare.startup_seconds(extra, cache, xla_flags=flags, repo=repo)
+            return sec, f"{sec:.2f} s to the first step"
+        what, unit = "cold starts", "s to the first step"
+    else:
+        _, overrides, devices, batch = rows[args.row][:4]
+
+        def measure(extra, flags, repo):
+            result = compare.run_row(overrides, devices, batch, args.steps, extra, xla_flags=flags, repo=repo)
+            return result["seconds"], f"{result['seconds']:.3f} s/step, loss {result['loss']:.4f}"
+        what, unit = f"rounds of {args.steps} steps", "s/step"
     parsed = {v: parse_variant(v) for v in args.variants}
     seconds = {v: [] for v in args.variants}
     for i in range(args.rounds):
         for variant, (extra, flags, repo) in parsed.items():
-            if args.row == "startup":
-                with tempfile.TemporaryDirectory() as cache:
-                    seconds[variant].append(compare.startup_seconds(extra, cache, xla_flags=flags, repo=repo))
-                print(f"round {i + 1} {variant!r}: {seconds[variant][-1]:.2f} s to the first step", flush=True)
-                continue
-            _, overrides, devices, batch = rows[args.row][:4]
-            result = compare.run_row(overrides, devices, batch, args.steps, extra, xla_flags=flags, repo=repo)
-            seconds[variant].append(result["seconds"])
-            print(f"round {i + 1} {variant!r}: {result['seconds']:.3f} s/step, loss {result['loss']:.4f}", flush=True)
+            sec, line = measure(extra, flags, repo)
+            seconds[variant].append(sec)
+            print(f"round {i + 1} {variant!r}: {line}", flush=True)
     first = statistics.median(seconds[args.variants[0]])
-    what = "cold starts" if args.row == "startup" else f"rounds of {args.steps} steps"
-    unit = "s to the first step" if args.row == "startup" else "s/step"
     print(f"\n{args.row}, {args.rounds} interleaved {what}")
     print(f"| variant | median {unit} | range | first / this |\n|---|---|---|---|")
     for variant, runs in seconds.items():
