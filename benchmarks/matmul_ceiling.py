@@ -12,6 +12,7 @@ three calls); the table shows medians over rounds.
 """
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -42,9 +43,9 @@ def best_of(fn, calls: int = 3) -> float:
     return best
 
 
-def operands(m: int, k: int, n: int, transposed: bool, rng):
-    left = rng.standard_normal((k, m) if transposed else (m, k), dtype=np.float32)
-    return left, rng.standard_normal((k, n), dtype=np.float32)
+def product(a, b, transposed: bool):
+    """a @ b, or a^T @ b for a weight gradient; numpy and jax arrays alike."""
+    return (a.T if transposed else a) @ b
 
 
 def main():
@@ -54,13 +55,14 @@ def main():
     rng = np.random.default_rng(0)
     runs = []
     for name, (m, k, n), transposed in SHAPES:
-        a, b = operands(m, k, n, transposed, rng)
-        xla = jax.jit(lambda a, b, t=transposed: (a.T if t else a) @ b)
+        a = rng.standard_normal((k, m) if transposed else (m, k), dtype=np.float32)
+        b = rng.standard_normal((k, n), dtype=np.float32)
+        xla = jax.jit(functools.partial(product, transposed=transposed))
         a_dev, b_dev = jnp.asarray(a), jnp.asarray(b)
         xla(a_dev, b_dev).block_until_ready()  # compile
         runs.append((name, 2.0 * m * k * n,
                      lambda f=xla, a=a_dev, b=b_dev: f(a, b).block_until_ready(),
-                     lambda a=a, b=b, t=transposed: (a.T if t else a) @ b))
+                     functools.partial(product, a, b, transposed)))
     rates = {name: ([], []) for name, *_ in runs}
     for _ in range(args.rounds):
         for name, flops, xla_call, blas_call in runs:
