@@ -1,8 +1,17 @@
-"""Orbax checkpoints: train state, data-iterator state and model shape, saved together, async.
+"""Orbax checkpoints you can trust: train state, data-iterator state, model shape and a digest, saved
+together, async; a restore verifies what it read and falls back to the newest good step.
 
-Layout: base_output_directory/run_name/checkpoints/<step>/{state,data,model}. Orbax writes each step
-into a temporary directory and renames it when complete, so a save cut short by a kill is never
-listed as a step; we warn about such leftovers and resume from the latest complete step.
+Layout: base_output_directory/run_name/checkpoints/<step>/{state,data,model,digest}. Orbax writes each
+step into a temporary directory and renames it when complete, so a save cut short by a kill is never
+listed as a step. `digest` holds, for every array of the state, its shape, dtype and two checksums of
+its bits, computed on device from the state that was saved (which must be finite). A restore compares
+them with what it read: a step that cannot be read or does not match (bit rot, a truncated or missing
+file, an empty directory) is reported in one line, moved aside to `<step>.unusable` (never deleted),
+and the next older step is tried.
+
+Retention is ours, not Orbax's: old steps are deleted only once the newest save is known complete, so
+a save that fails (disk full, read-only) never costs the last good checkpoint. A failed save ends the
+run with one line naming the path and the OS error.
 
 Start-up order (as MaxText): resume this run's latest checkpoint; else load_full_state_path;
 else load_parameters_path (fresh optimizer); else fresh init.
@@ -11,21 +20,56 @@ else load_parameters_path (fresh optimizer); else fresh init.
 from __future__ import annotations
 
 import logging
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from maxtrain.config import MODEL_KEYS, Config
-from maxtrain.errors import UserError
+from maxtrain.digest import Corrupt, digest, json_sha256, leaf_signature, verify
+from maxtrain.errors import NonFiniteState, RunError, UserError
 
 log = logging.getLogger("maxtrain")
+DIGEST_VERSION = 1
 
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used as asked; the CLI prints it as one line and exits 2."""
     kind = "checkpoint"
+
+
+class SaveError(RunError):
+    """A save that failed (no space, read-only, permission): one line, exit code 1."""
+    kind = "checkpoint"
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Orbax logs a traceback from each of its threads when a save fails; our one line replaces them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+logging.getLogger("absl").addFilter(_QuietOrbaxErrors())
+
+
+def _quiet_closed_loops(unraisable, default=sys.unraisablehook):
+    """After a failed save, tensorstore's callbacks still post to the save's closed event loop and each
+    prints 'Event loop is closed' with a traceback: secondary noise that hides the one line that matters."""
+    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+        return
+    default(unraisable)
+
+
+sys.unraisablehook = _quiet_closed_loops
+
+
+# ---------------------------------------------------------------------------------------------
+# The model description and error text
 
 
 def model_signature(c: Config) -> dict[str, Any]:
@@ -39,11 +83,46 @@ def check_model(saved: dict[str, Any], c: Config, where: str) -> None:
         raise CheckpointError(f"{where}: model shape differs: {'; '.join(diff)}")
 
 
-def incomplete_steps(directory: Path) -> list[Path]:
-    """Leftovers of saves that never finished (Orbax's temporary step directories)."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if ".orbax-checkpoint-tmp" in p.name)
+def check_layout(saved: list[list], abstract, where: str, hint: str) -> None:
+    """The saved arrays' paths, shapes and dtypes against this config's state (Orbax would cast)."""
+    saved_by_path = {e[0]: e[1:3] for e in saved}
+    ours = leaf_signature(abstract)
+    for path, shape, dtype in ours:
+        theirs = saved_by_path.get(path)
+        if theirs != [shape, dtype]:
+            got = "absent" if theirs is None else f"{theirs[1]}{theirs[0]}"
+            raise CheckpointError(f"{where}: {path} is {got} in the checkpoint, {dtype}{shape} in this config "
+                                  f"(an optimizer, dtype or shape change); {hint}")
+    if len(saved_by_path) != len(ours):
+        raise CheckpointError(f"{where}: the checkpoint holds {len(saved_by_path)} arrays, this config's "
+                              f"train state {len(ours)}; {hint}")
+
+
+RESUME_HINT = "cannot resume this run with this config: a config that changes the train state needs a new run_name"
+
+
+def first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
+def os_error_text(e: BaseException) -> str:
+    """'No space left on device [errno 28]' from an OSError or from tensorstore's error text."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} [errno {e.errno}]"
+    m = re.search(r"([^:\"]+?) \[os_error_code='?(\d+)", str(e))
+    return f"{m.group(1).strip()} [errno {m.group(2)}]" if m else f"{type(e).__name__}: {first_line(e)}"
+
+
+def _all_processes(ok: bool) -> bool:
+    """True if `ok` on every process: a fallback decision must be the same everywhere."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+# ---------------------------------------------------------------------------------------------
+# This run's checkpoints
 
 
 class Checkpointer:
@@ -51,15 +130,18 @@ class Checkpointer:
         self.config = c
         self.directory = Path(c.base_output_directory).absolute() / c.run_name / "checkpoints"
         for leftover in incomplete_steps(self.directory):
-            log.warning("ignoring incomplete checkpoint %s (a save was interrupted)", leftover)
-            print(f"warning: ignoring incomplete checkpoint {leftover.name} (a save was interrupted)")
+            print(f"warning: ignoring incomplete checkpoint {leftover.name} (a save was interrupted)", flush=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=c.max_num_checkpoints_to_keep or None,
+            max_to_keep=None,  # retention is ours: see _prune
             enable_async_checkpointing=c.async_checkpointing,
             cleanup_tmp_directories=True,
             create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data", "model"))
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                                 item_names=("state", "data", "model", "digest"))
+        except OSError as e:
+            raise CheckpointError(f"cannot use {self.directory}: {os_error_text(e)}") from None
+        self._unconfirmed: int | None = None  # a save started but not yet known complete
 
     def due(self, step: int) -> bool:
         """Every checkpoint_period steps. (Orbax's own schedule would also save a run's first step.)"""
@@ -67,44 +149,146 @@ class Checkpointer:
 
     def save(self, step: int, state, data_state: dict) -> None:
         """Starts saving `step` (the loop decides when); returns once device buffers are copied."""
+        self._confirm()
+        entries, finite = digest(state)
+        if not finite:  # finite gradients overflowed the parameters: never write such a state
+            raise NonFiniteState(f"step {step}: the parameters or optimizer state hold non-finite values")
+        record = {"version": DIGEST_VERSION, "leaves": entries, "data_sha256": json_sha256(data_state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=ocp.args.JsonSave(data_state),
-                                  model=ocp.args.JsonSave(model_signature(self.config)))
-        self.manager.save(step, args=args, force=True)
+                                  model=ocp.args.JsonSave(model_signature(self.config)),
+                                  digest=ocp.args.JsonSave(record))
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:
+            raise self._failed(step, e) from None
+        self._unconfirmed = step
+
+    def poll(self) -> None:
+        """Between steps: a background save that failed ends the run now, not at the next save.
+        (One process only: asking Orbax whether a save is in progress is a barrier across processes.)"""
+        if self._unconfirmed is not None and jax.process_count() == 1 and not self.manager.is_saving_in_progress():
+            self._confirm()
+
+    def _confirm(self) -> None:
+        """Waits for the save in flight; raises SaveError if it failed, else applies retention."""
+        if self._unconfirmed is None:
+            return
+        step, self._unconfirmed = self._unconfirmed, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._failed(step, e) from None
+        self._prune()
+
+    def _failed(self, step: int, e: BaseException) -> SaveError:
+        good = [s for s in self.manager.all_steps() if s != step]
+        last = f"step {max(good)} in {self.directory}" if good else "none"
+        return SaveError(f"saving step {step} to {self.directory / str(step)} failed: {os_error_text(e)}; "
+                         f"the last good checkpoint is {last}")
+
+    def _prune(self) -> None:
+        """Keeps the newest max_num_checkpoints_to_keep complete steps (called only after a save is known
+        complete, so the step it supersedes is never deleted for one that may not exist)."""
+        keep = self.config.max_num_checkpoints_to_keep
+        steps = sorted(self.manager.all_steps())
+        for step in steps[:-keep] if keep else []:
+            self.manager.delete(step)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits until every save is durable; raises SaveError if the last one failed."""
+        try:
+            self._confirm()
+        finally:
+            self.manager.close()
 
     def restore(self, abstract_state, batches):
-        """Resume this run from its latest complete step: returns the state and puts `batches` (the data
-        iterator) back at its saved position; None if the run has no checkpoint."""
-        step = self.latest_step()
-        if step is None:
-            return None
+        """Resume from the newest step that reads and verifies: returns the state and puts `batches` (the
+        data iterator) back at its saved position; None if the run has no checkpoint. Unusable newer
+        steps are reported and moved aside; if no step is usable, a CheckpointError lists why."""
+        self._confirm()
+        unusable = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, data_state = self._restore_step(step, abstract_state)
+            except Corrupt as e:
+                unusable.append((step, str(e)))
+                continue
+            for bad, why in unusable:
+                moved = self._move_aside(bad)
+                print(f"warning: checkpoint {self.directory / str(bad)} is unusable ({why}); resuming from step "
+                      f"{step} instead (moved to {moved.name})", flush=True)
+            try:
+                batches.set_state(data_state)
+            except Exception as e:  # saved by another kind of input pipeline
+                raise CheckpointError(f"{self.directory / str(step)}: its data position {str(data_state)[:80]} does "
+                                      f"not fit this config's {self.config.dataset_type} data "
+                                      f"({type(e).__name__}); resume with the data it was saved with, or use a "
+                                      f"new run_name") from None
+            return state
+        if unusable:
+            why = "; ".join(f"step {s}: {w}" for s, w in unusable)
+            raise CheckpointError(f"{self.directory}: no usable checkpoint ({why}); move the directory away to "
+                                  f"start afresh")
+        return None
+
+    def _restore_step(self, step: int, abstract_state):
         where = str(self.directory / str(step))
-        saved_model = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
-        check_model(saved_model, self.config, where)
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(
+                model=ocp.args.JsonRestore(), digest=ocp.args.JsonRestore()))
+            saved_model, record = meta["model"], meta["digest"]
+            if not (isinstance(saved_model, dict) and isinstance(record, dict)
+                    and record.get("version") == DIGEST_VERSION):
+                raise Corrupt("its model description or digest is not what maxtrain writes")
+        except Corrupt:
+            raise
+        except Exception as e:  # a missing, empty or garbled file: Orbax raises many types
+            raise Corrupt(f"cannot read its model description and digest: {type(e).__name__}") from None
+        check_model(saved_model, self.config, where)  # a config mistake, not damage: no fallback
+        check_layout(record["leaves"], abstract_state, where, RESUME_HINT)
+        ok, why, restored = True, "", None
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        except Exception as e:  # e.g. another optimizer or dtype: the saved tree does not fit this state
-            raise CheckpointError(f"{where}: cannot resume this run with this config ({type(e).__name__}: "
-                                  f"{first_line(e)}); a config that changes the train state needs a new "
-                                  f"run_name") from None
-        try:
-            batches.set_state(restored["data"])
-        except Exception as e:  # saved by another kind of input pipeline
-            raise CheckpointError(f"{where}: its data position {str(restored['data'])[:80]} does not fit this "
-                                  f"config's {self.config.dataset_type} data ({type(e).__name__}); resume with "
-                                  f"the data it was saved with, or use a new run_name") from None
-        return restored["state"]
+            verify(restored["state"], record)
+            if json_sha256(restored["data"]) != record.get("data_sha256"):
+                raise Corrupt("its data position does not match its checksum")
+        except Corrupt as e:
+            ok, why = False, str(e)
+        except Exception as e:
+            ok, why = False, f"cannot read its state: {type(e).__name__}: {first_line(e)[:120]}"
+        if not _all_processes(ok):
+            raise Corrupt(why or "another process could not read it")
+        return restored["state"], restored["data"]
+
+    def _move_aside(self, step: int) -> Path:
+        target = self.directory / f"{step}.unusable"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}.unusable{n}"
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"maxtrain_move_aside_{step}")
+        self.manager.reload()
+        return target
+
+
+def incomplete_steps(directory: Path) -> list[Path]:
+    """Leftovers of saves that never finished (Orbax's temporary step directories)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Other runs' checkpoints and parameter-only checkpoints
 
 
 def step_directory(path: str, key: str) -> Path:
@@ -117,32 +301,64 @@ def step_directory(path: str, key: str) -> Path:
     raise CheckpointError(f"{key}: {p} has no model description (expected {p}/model)")
 
 
-def first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else ""
-
-
 def restore_failed(key: str, p: Path, e: Exception) -> CheckpointError:
     return CheckpointError(f"{key}: cannot restore {p}/state: {type(e).__name__}: {first_line(e)}")
 
 
-def read_model(p: Path) -> dict:
-    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(p / "model")
+def _read_json_item(p: Path, item: str, key: str):
+    try:
+        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(p / item)
+    except Exception as e:
+        raise CheckpointError(f"{key}: cannot read {p}/{item}: {type(e).__name__}") from None
+
+
+def read_model(p: Path, key: str) -> dict:
+    """A step directory's model description (MODEL_KEYS and scan_layers)."""
+    saved = _read_json_item(p, "model", key)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{key}: {p}/model is not a model description: the checkpoint is damaged")
+    return saved
+
+
+def _read_digest(p: Path, key: str) -> dict | None:
+    """The step's digest record, or None where it has none (converted parameters)."""
+    if not (p / "digest").is_dir():
+        return None
+    record = _read_json_item(p, "digest", key)
+    if not isinstance(record, dict) or not isinstance(record.get("leaves"), list):
+        raise CheckpointError(f"{key}: {p}/digest is not what maxtrain writes: the checkpoint is damaged")
+    return record
+
+
+def _verify_loaded(tree, record: dict | None, p: Path, key: str, prefix: str = "") -> None:
+    if record is None:
+        return
+    try:
+        verify(tree, record, prefix, partial=bool(prefix))
+    except (Corrupt, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{key}: {p} does not match its digest ({e}): the checkpoint is damaged") from None
 
 
 def load_full_state(c: Config, abstract_state):
     """State (params, optimizer, step) from another run's checkpoint step directory."""
     p = step_directory(c.load_full_state_path, "load_full_state_path")
-    check_model(read_model(p), c, str(p))
+    check_model(read_model(p, "load_full_state_path"), c, str(p))
+    record = _read_digest(p, "load_full_state_path")
+    if record is not None:
+        check_layout(record["leaves"], abstract_state, f"load_full_state_path: {p}",
+                     "load only the parameters (load_parameters_path) to change the optimizer state")
     try:
-        return ocp.StandardCheckpointer().restore(p / "state", abstract_state)
+        state = ocp.StandardCheckpointer().restore(p / "state", abstract_state)
     except Exception as e:  # Orbax raises many types for unreadable data
         raise restore_failed("load_full_state_path", p, e) from None
+    _verify_loaded(state, record, p, "load_full_state_path")
+    return state
 
 
 def load_parameters(c: Config, abstract_params):
     """Parameters only (from a full-state or a parameters-only checkpoint); optimizer starts fresh."""
     p = step_directory(c.load_parameters_path, "load_parameters_path")
-    check_model(read_model(p), c, str(p))
+    check_model(read_model(p, "load_parameters_path"), c, str(p))
     target = {"params": abstract_params}
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                                                dtype=x.dtype), target)
@@ -152,6 +368,8 @@ def load_parameters(c: Config, abstract_params):
                                                      partial_restore=True))
     except Exception as e:
         raise restore_failed("load_parameters_path", p, e) from None
+    _verify_loaded(restored["params"], _read_digest(p, "load_parameters_path"), p, "load_parameters_path",
+                   prefix=".params")
     return restored["params"]
 
 

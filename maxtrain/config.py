@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
     "attention": ("dot_product", "blockwise", "jax_nn", "splash"),
     "distributed_init": ("auto", "true", "false"),
+    "nan_policy": ("skip", "stop", "rollback"),
 }
 POSITIVE_INTS = (
     "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
@@ -46,6 +48,8 @@ POSITIVE_INTS = (
     "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
     "distributed_heartbeat_timeout_seconds", "max_new_tokens",
 )
+INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class ConfigError(UserError, ValueError):
@@ -99,9 +103,11 @@ class Config(Mapping):
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError("config", f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("config", f"{path} is not a YAML text file") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -175,6 +181,8 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
         ok = isinstance(value, bool)
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and abs(value) > INT_MAX:
+            raise ConfigError(key, f"{value} is out of range (at most {INT_MAX})")
     elif kind is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) and 1.0e3 (no sign) as strings
             try:
@@ -183,6 +191,8 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number, got {value}")
     else:
         ok = isinstance(value, kind)
     if not ok:
@@ -268,6 +278,8 @@ def _validate(c: dict[str, Any]) -> None:
         raise ConfigError("rope_original_max_position_embeddings", "must be a positive integer")
     if c["learning_rate_schedule_steps"] == 0 or c["learning_rate_schedule_steps"] < -1:
         raise ConfigError("learning_rate_schedule_steps", "must be -1 (= steps) or positive")
+    if c["max_nonfinite_steps"] < 0:
+        raise ConfigError("max_nonfinite_steps", "must be >= 0")
     for key in ("checkpoint_period", "max_num_checkpoints_to_keep"):
         if c[key] < (1 if key == "checkpoint_period" else 0):
             raise ConfigError(key, "must be a positive integer" if key == "checkpoint_period" else "must be >= 0")
@@ -281,8 +293,9 @@ def _validate(c: dict[str, Any]) -> None:
         raise ConfigError("train_files", f"dataset_type={c['dataset_type']} needs train_files (comma-separated globs)")
     if c["load_full_state_path"] and c["load_parameters_path"]:
         raise ConfigError("load_parameters_path", "set either load_full_state_path or load_parameters_path, not both")
-    if not c["run_name"] or "/" in c["run_name"]:
-        raise ConfigError("run_name", "must be a non-empty name without '/'")
+    if not RUN_NAME.fullmatch(c["run_name"]):
+        raise ConfigError("run_name", f"{c['run_name']!r} is not a plain name (letters, digits, '.', '_', '-'; "
+                          "not starting with '.')")
     for group in ("ici", "dcn"):
         sizes = {a: c[f"{group}_{a}_parallelism"] for a in MESH_AXES}
         for axis, size in sizes.items():

@@ -156,7 +156,7 @@ class CheckpointParams:
         import orbax.checkpoint as ocp
         self._ocp = ocp
         self.step_dir = ckpt_lib.step_directory(checkpoint, "--checkpoint")
-        self.signature = ckpt_lib.read_model(self.step_dir)
+        self.signature = ckpt_lib.read_model(self.step_dir, "--checkpoint")
         missing = [k for k in (*config_lib.MODEL_KEYS, "scan_layers") if k not in self.signature]
         if missing:
             raise ConvertError(f"{checkpoint}: model description lacks {', '.join(missing)} (older maxtrain?)")

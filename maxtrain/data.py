@@ -94,6 +94,9 @@ class SyntheticIterator:
         self.step += 1
         return batch
 
+    def skip(self, n: int) -> None:
+        self.step += n
+
     def get_state(self) -> dict:
         return {"step": self.step}
 
@@ -129,17 +132,21 @@ def _read_text_file(path: str, text_field: str) -> list[str]:
             if not line.strip():
                 continue
             try:
-                docs.append(json.loads(line)[text_field])
+                doc = json.loads(line)[text_field]
             except (json.JSONDecodeError, TypeError):
                 raise DataError(f"{path}: line {number} is not a JSON object") from None
             except KeyError:
                 raise DataError(f"{path}: line {number} has no field {text_field!r} (text_field)") from None
+            if not isinstance(doc, str):
+                raise DataError(f"{path}: line {number}: field {text_field!r} is {type(doc).__name__}, not text")
+            docs.append(doc)
         return docs
     # Plain text: documents are separated by blank lines.
     return [d.strip("\n") for d in text.split("\n\n") if d.strip()]
 
 
 def _read_parquet(path: str, text_field: str) -> list[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
     try:
         table = pq.read_table(path)
@@ -147,7 +154,12 @@ def _read_parquet(path: str, text_field: str) -> list[str]:
         raise DataError(f"{path}: cannot read as parquet: {type(e).__name__}") from None
     if text_field not in table.column_names:
         raise DataError(f"{path}: no column {text_field!r} (text_field); columns: {table.column_names}")
-    return table.column(text_field).to_pylist()
+    column = table.column(text_field)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise DataError(f"{path}: column {text_field!r} (text_field) holds {column.type}, not text")
+    if column.null_count:
+        raise DataError(f"{path}: column {text_field!r} (text_field) has {column.null_count} empty (null) rows")
+    return column.to_pylist()
 
 
 class _ArrayRecordText:
@@ -164,16 +176,27 @@ class _ArrayRecordText:
             len(self._source)
         except Exception as e:
             raise DataError(f"{', '.join(files)}: cannot open as array_record: {type(e).__name__}") from None
-        self._field = text_field
+        self._field, self._files = text_field, files
 
     def __len__(self):
         return len(self._source)
 
     def __getitem__(self, index):
-        record = self._source[index].decode("utf-8")
-        if record.startswith("{"):
-            return json.loads(record)[self._field]
-        return record
+        # Records are read lazily, in grain's threads: a bad one names the files and the record.
+        where = f"{', '.join(self._files)}: record {index}"
+        try:
+            record = self._source[index].decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"{where} is not UTF-8 text") from None
+        if not record.startswith("{"):
+            return record
+        try:
+            text = json.loads(record)[self._field]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            raise DataError(f"{where}: not a JSON object with a {self._field!r} field (text_field)") from None
+        if not isinstance(text, str):
+            raise DataError(f"{where}: field {self._field!r} is {type(text).__name__}, not text")
+        return text
 
 
 def document_source(c: Config, files: list[str]):
@@ -293,11 +316,30 @@ class GrainIterator:
         return {k: jax.make_array_from_process_local_data(self._sharding, v, self._shape)
                 for k, v in local.items()}
 
+    def skip(self, n: int) -> None:
+        """Drops the next n batches on the host (a rollback past the batches that led to a spike)."""
+        for _ in range(n):
+            next(self._iter, None)
+
     def get_state(self) -> dict:
         return self._iter.get_state()
 
     def set_state(self, state: dict) -> None:
         self._iter.set_state(state)
+
+
+def check_usable(documents, tokenizer: Tokenizer, c: Config) -> None:
+    """This process's share must hold a document with a token to predict: otherwise the pipeline, which
+    drops empty documents and repeats, would search forever. Stops at the first usable document."""
+    share = range(jax.process_index(), len(documents), jax.process_count())
+    for i in share:
+        if len(tokenizer.encode(documents[i])) >= 2:
+            return
+    whose = f" for process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
+    if not len(share):
+        raise DataError(f"{c.train_files}: no documents{whose}: nothing to train on")
+    raise DataError(f"{c.train_files}: none of its {len(share)} documents{whose} has two tokens or more "
+                    f"(add_bos={c.add_bos}, add_eos={c.add_eos}): nothing to train on")
 
 
 def make_iterators(c: Config, batch_sharding):
@@ -306,6 +348,7 @@ def make_iterators(c: Config, batch_sharding):
         return SyntheticIterator(c, batch_sharding), None
     tokenizer = make_tokenizer(c)
     train_docs, eval_docs = split_documents(c)
+    check_usable(train_docs, tokenizer, c)
     where = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_iter = GrainIterator(make_dataset(c, train_docs, tokenizer, train=True, **where), c, batch_sharding)
     if eval_docs is None:

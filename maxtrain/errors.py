@@ -1,4 +1,4 @@
-"""User errors: bad input a user can fix, shown as one line and exit code 2 by every entry point."""
+"""Errors shown as one line: bad input a user can fix (exit 2) and runs stopped for cause (exit 1)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,26 @@ from typing import Any
 class UserError(Exception):
     """Bad input a user can fix: every entry point prints it as `<kind> error: <message>`, exit code 2."""
     kind = "input"
+    exit_code = 2
+
+
+class RunError(UserError):
+    """A run stopped for cause (a non-finite loss, a failed save): one line, exit code 1, no traceback."""
+    kind = "run"
+    exit_code = 1
+
+
+class NonFiniteState(RunError):
+    """A state that a save refuses: an update overflowed it (the loop applies nan_policy)."""
 
 
 def exit_code(run: Callable[[], Any]) -> int:
-    """Runs an entry point: a UserError is one line on stderr and exit code 2, never a traceback; an int
+    """Runs an entry point: a UserError is one line on stderr and its exit code, never a traceback; an int
     that `run` returns is the exit code."""
     try:
         result = run()
     except UserError as e:
-        print(f"{e.kind} error: {e}", file=sys.stderr)
-        return 2
+        sys.stdout.flush()
+        print(f"{e.kind} error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     return result if isinstance(result, int) else 0

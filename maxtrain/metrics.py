@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -101,11 +102,14 @@ class MetricsWriter:
     def write(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
         if not self.active:
             return
-        self._jsonl.write(json.dumps({"step": step, **{f"{prefix}/{k}": v for k, v in scalars.items()}}) + "\n")
+        # Strict JSON: a non-finite value is written as null (the step's nonfinite flag says why).
+        row = {f"{prefix}/{k}": v if math.isfinite(v) else None for k, v in scalars.items()}
+        self._jsonl.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._tb:
             for k, v in scalars.items():
-                self._tb.add_scalar(f"{prefix}/{k}", v, step)
+                if math.isfinite(v):  # a gap in the curve; the nonfinite flag is plotted
+                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
 
     def close(self) -> None:
         if self._jsonl:
@@ -136,4 +140,4 @@ def format_line(step: int, m: dict[str, float]) -> str:
     return (f"step {step:>6d} | loss {m['loss']:.4f} | lr {m['learning_rate']:.3e} | "
             f"grad_norm {m['grad_norm']:.3f} | {m['step_seconds']:.3f} s/step | "
             f"{m['tokens_per_second']:,.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev | "
-            f"MFU {100 * m['mfu']:.1f}%")
+            f"MFU {100 * m['mfu']:.1f}%" + (" | non-finite: update skipped" if m.get("nonfinite") else ""))

@@ -11,6 +11,13 @@ import sys
 if __name__ == "__main__":
     from maxtrain.hugepages import reexec_with_huge_pages
     reexec_with_huge_pages()
+    import os as _os
+    import signal as _signal
+
+    def _stop_during_startup(signum, frame):  # no step has run: nothing to save, so stop now, cleanly
+        print("stopped by SIGTERM during start-up, before the first step: nothing to save", flush=True)
+        _os._exit(0)
+    _signal.signal(_signal.SIGTERM, _stop_during_startup)  # first thing: honoured from the first moment
 
 import concurrent.futures
 import math
@@ -22,7 +29,7 @@ from pathlib import Path
 import jax
 
 from maxtrain import config as config_lib, errors
-from maxtrain import data, distributed, mesh as mesh_lib, metrics as metrics_lib, step as step_lib, summary
+from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, step as step_lib, summary
 
 
 def say(*args) -> None:
@@ -64,7 +71,9 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
         from maxtrain import checkpoint as ckpt_lib  # orbax loads only where needed: see train()
         say(f"loading full state from {c.load_full_state_path}")
         return ckpt_lib.load_full_state(c, trainer.abstract_state)
-    state = trainer.init(jax.random.key(c.init_weights_seed))
+    init = trainer.init.lower(jax.random.key(c.init_weights_seed)).compile()
+    fit.check_step(init, trainer.mesh, "initializing the state")  # its temporaries can exceed the state's size
+    state = init(jax.random.key(c.init_weights_seed))
     if c.load_parameters_path:
         from maxtrain import checkpoint as ckpt_lib
         say(f"loading parameters from {c.load_parameters_path}")
@@ -91,8 +100,9 @@ def evaluate(c: config_lib.Config, trainer: step_lib.Trainer, params, make_eval_
 class Preemption:
     """SIGTERM (what TPU, GKE and SLURM preemption send) as a step at which to save and stop.
 
-    One process: a handler sets a flag that the next step sees. Several processes: the signal may
-    reach each at a different step, so JAX's preemption service (started by jax.distributed.initialize,
+    Before the loop the CLI's start-up handler ends the process at once (no step, nothing to save). From
+    the loop on, one process: a handler sets a flag that the next step sees. Several processes: the signal
+    may reach each at a different step, so JAX's preemption service (started by jax.distributed.initialize,
     with its own SIGTERM handler, which a Python handler would replace) agrees on one step for all.
     """
 
@@ -119,6 +129,37 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+class NonFiniteGuard:
+    """What follows a step whose loss, gradient norm or new parameters were not finite. The step itself
+    already dropped the update (step.py); this decides, one step late, between going on (skip), restoring
+    the newest checkpoint (rollback) and stopping, and stops any policy after max_nonfinite_steps."""
+
+    def __init__(self, c: config_lib.Config):
+        self.policy, self.limit, self.count = c.nan_policy, c.max_nonfinite_steps, 0
+
+    def on_bad_step(self, step: int, last_saved: str) -> str:
+        self.count += 1
+        if self.policy == "stop":
+            raise errors.RunError(f"step {step}: the loss or gradients are not finite (nan_policy=stop); the "
+                                  f"update was not applied and nothing more is saved; last checkpoint: {last_saved}")
+        if self.count > self.limit:
+            raise errors.RunError(f"step {step}: {self.count} non-finite steps, more than max_nonfinite_steps="
+                                  f"{self.limit} (nan_policy={self.policy}); the run diverges: lower the "
+                                  f"learning_rate or set gradient_clipping_threshold; last checkpoint: {last_saved}")
+        return self.policy
+
+
+def make_run_dir(c: config_lib.Config) -> Path:
+    run_dir = Path(c.base_output_directory) / c.run_name
+    if jax.process_index() == 0:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yml").write_text(c.to_yaml())
+        except OSError as e:
+            raise config_lib.ConfigError("base_output_directory", f"cannot write {run_dir}: {e.strerror}") from None
+    return run_dir
+
+
 def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
     mesh = mesh_lib.make_mesh(c, devices)
@@ -128,52 +169,74 @@ def train(c: config_lib.Config, devices=None) -> dict:
     if c.dry_run:
         dry_run(c, trainer)
         return {}
+    fit.check_state(trainer)  # before init allocates it
     # Read data files and tokenizer before writing anything: bad input fails cleanly.
     batches, make_eval_iterator = data.make_iterators(c, trainer.batch_sharding)
+    run_dir = make_run_dir(c)
     # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored.
     t_compile, compiler = time.perf_counter(), concurrent.futures.ThreadPoolExecutor(1)
     compiling = compiler.submit(trainer.compile_train_step)
     compiler.shutdown(wait=False)
-
-    run_dir = Path(c.base_output_directory) / c.run_name
-    if jax.process_index() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yml").write_text(c.to_yaml())
-    tokens_per_step = c.global_batch_size * c.max_target_length
-    flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
 
     checkpointer = None
     if c.enable_checkpointing:
         # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
         from maxtrain import checkpoint as ckpt_lib
         checkpointer = ckpt_lib.Checkpointer(c)
-    stop = Preemption()
-    preempted = exhausted = False
+    try:
+        return _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compiling, t_compile)
+    except errors.UserError as e:
+        # Stopped for cause or by bad data: let the saves under way finish (they hold good states), then report.
+        if checkpointer is not None and not isinstance(e, ckpt_lib.SaveError):
+            try:
+                checkpointer.close()
+            except errors.RunError:
+                pass
+        raise
+
+
+def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compiling, t_compile) -> dict:
+    mesh = trainer.mesh
+    tokens_per_step = c.global_batch_size * c.max_target_length
+    flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
+    guard = NonFiniteGuard(c)
+    start_data = batches.get_state()  # where a rollback with no checkpoint restarts the data
     with mesh_lib.activate(mesh, trainer.rules):
         state = initial_state(c, trainer, checkpointer, batches)
         writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=int(state.step))
         train_step = compiling.result()
+        fit.check_step(train_step, mesh)  # before the first batch is made
         jax.block_until_ready(state)
         say(f"state ready and train step compiled in {time.perf_counter() - t_compile:.1f} s")
         # Only now: on CPU the MFU denominator is a matmul probe, which beside the compile read a
         # third of the machine's rate.
         peak = metrics_lib.peak_tflops_per_device(c)
+        stop = Preemption()  # from here a SIGTERM is a step to save at
+        preempted = exhausted = False
         t_start = time.perf_counter()
         first_step = int(state.step)
         last_time, last_step = t_start, first_step  # the current step-time window
-        saved_step = evaluated_step = None
-        pending, history, eval_history = None, [], []
+        saved_step = checkpointer.latest_step() if checkpointer is not None else None
+        evaluated_step = None
+        pending, history, eval_history, rolled_back = None, [], [], False
 
-        def read(step_done, device_metrics):
-            # Blocks until step `step_done` finished; by then the next step is already queued.
+        def last_saved() -> str:
+            return f"step {saved_step} in {checkpointer.directory}" if saved_step is not None else "none"
+
+        def read(step_done, device_metrics) -> str | None:
+            """Blocks until step `step_done` finished (the next one is already queued); logs it. Returns
+            None, or the non-finite policy's action for it ("skip" / "rollback"; "stop" raises)."""
             nonlocal last_time, last_step
             m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+            bad = m["nonfinite"] > 0
+            m["nonfinite_steps"] = guard.count + bad
             history.append(m["loss"])
             now = time.perf_counter()
-            if step_done == first_step + 1:  # warm-up is kept out of later step-time windows
+            first = len(history) == 1 and not rolled_back  # warm-up is kept out of later step-time windows
+            if first:
                 say(f"first step took {now - t_start:.1f} s")
-            if step_done % c.log_period and step_done != c.steps and step_done != first_step + 1:
-                return
+            if not bad and step_done % c.log_period and step_done != c.steps and not first:
+                return None
             seconds = (now - last_time) / max(step_done - last_step, 1)
             last_time, last_step = now, step_done
             tflops = flops_per_device / seconds / 1e12
@@ -181,11 +244,21 @@ def train(c: config_lib.Config, devices=None) -> dict:
                      tflops_per_device=tflops, mfu=tflops / peak)
             say(metrics_lib.format_line(step_done, m))
             writer.write(step_done, m)
+            return guard.on_bad_step(step_done, last_saved()) if bad else None
 
-        def save(step_done):
-            nonlocal saved_step
-            checkpointer.save(step_done, state, batches.get_state())  # the data state is gathered only here
+        def save(step_done) -> str | None:
+            """None, or (the state is not finite: an update overflowed it; nothing saved) the policy's action."""
+            nonlocal saved_step, last_time
+            t0 = time.perf_counter()
+            try:
+                checkpointer.save(step_done, state, batches.get_state())  # the data state is gathered only here
+            except errors.NonFiniteState as e:
+                say(f"{e}: not saved")
+                return guard.on_bad_step(step_done, last_saved())
+            finally:
+                last_time += time.perf_counter() - t0  # keep the save out of the step-time window
             saved_step = step_done
+            return None
 
         def run_eval(step_done):
             nonlocal last_time, evaluated_step
@@ -198,7 +271,28 @@ def train(c: config_lib.Config, devices=None) -> dict:
                 f"{e['tokens']:,.0f} tokens")
             writer.write(step_done, e, prefix="eval")
 
-        for step in range(first_step, c.steps):
+        def rollback(bad_step: int):
+            """The newest checkpoint (or the start), then past the batches from it up to `bad_step`."""
+            nonlocal state, writer, last_time, last_step, rolled_back
+            state = None  # free it before the restore allocates another
+            restored = checkpointer.restore(trainer.abstract_state, batches) if checkpointer is not None else None
+            if restored is None:
+                batches.set_state(start_data)
+                restored = initial_state(c, trainer, None, batches)
+            good = int(restored.step)
+            batches.skip(bad_step - good)
+            del history[good - first_step:]
+            writer.close()
+            writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=good)
+            say(f"rollback: step {bad_step} was not finite ({guard.count} of max_nonfinite_steps="
+                f"{guard.limit}); back at step {good}, skipping the {bad_step - good} batches after it")
+            last_time, last_step, rolled_back = time.perf_counter(), good, True
+            return restored, good
+
+        step = first_step
+        while step < c.steps:
+            if checkpointer is not None:
+                checkpointer.poll()  # a failed background save stops the run now
             try:
                 batch = next(batches)
             except StopIteration:
@@ -206,31 +300,52 @@ def train(c: config_lib.Config, devices=None) -> dict:
                 exhausted = True
                 break
             state, device_metrics = train_step(state, batch)
-            done = step + 1
-            preempted = stop.reached(done)
-            if checkpointer is not None and (preempted or done == c.steps or checkpointer.due(done)):
-                save(done)
-            if pending is not None:
-                read(*pending)
-            pending = (done, device_metrics)
-            if make_eval_iterator and c.eval_interval and (done % c.eval_interval == 0 or done == c.steps):
-                read(*pending)
+            step += 1
+            preempted = stop.reached(step)
+            must_save = checkpointer is not None and (preempted or step == c.steps or checkpointer.due(step))
+            must_eval = bool(make_eval_iterator and c.eval_interval and (step % c.eval_interval == 0 or step == c.steps))
+            to_read = [pending] if pending is not None else []
+            pending = (step, device_metrics)
+            if must_save or must_eval or preempted or step == c.steps:  # these wait for it anyway: check it first
+                to_read.append(pending)
                 pending = None
-                run_eval(done)
+            action = None
+            for item in to_read:
+                action = read(*item)
+                if action == "rollback":
+                    state, step = rollback(item[0])
+                    pending = None
+                    break
+            if action == "rollback":
+                if preempted:
+                    break  # the checkpoint just restored is where a rerun resumes
+                continue
+            if must_save and save(step) == "rollback":
+                state, step = rollback(step)
+                if preempted:
+                    break
+                continue
+            if must_eval:
+                run_eval(step)
             if preempted:
                 break
-        if pending is not None:
-            read(*pending)
+        if pending is not None and read(*pending) == "rollback":
+            state, step = rollback(pending[0])  # the last step was bad: end at the good state before it
         last = int(state.step)
+        if exhausted and last == first_step == 0:
+            raise data.DataError(f"{c.train_files}: the data ends before the first batch of {c.global_batch_size} x "
+                                 f"{c.max_target_length} tokens (num_epochs={c.num_epochs}): add data or use "
+                                 f"num_epochs=-1")
         if exhausted and last > first_step:  # the data's end is this run's end: save and evaluate it
             if checkpointer is not None and saved_step != last:
-                save(last)
+                save(last)  # a non-finite state is not saved; the run ends on the data either way
             if make_eval_iterator and c.eval_interval and evaluated_step != last:
                 run_eval(last)
     if checkpointer is not None:
         checkpointer.close()  # waits until every pending save is durable
     stop.restore()  # only now: a second SIGTERM during the final save must not cut it short
     writer.close()
+    skipped = f" ({guard.count} non-finite steps skipped)" if guard.count and c.nan_policy == "skip" else ""
     if preempted:
         where = f"checkpoint saved at step {last}; rerun the same command to resume" if checkpointer is not None else \
             "checkpointing is off, nothing saved"
@@ -240,14 +355,28 @@ def train(c: config_lib.Config, devices=None) -> dict:
     if not history:
         say(f"nothing to do: the run is already at step {int(state.step)} of {c.steps}")
         return {"losses": history, "state": state}
-    say(f"done: {int(state.step)} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}; outputs in {run_dir}")
-    return {"losses": history, "state": state, "eval_losses": eval_history}
+    say(f"done: {int(state.step)} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}{skipped}; outputs in {run_dir}")
+    return {"losses": history, "state": state, "eval_losses": eval_history, "nonfinite_steps": guard.count}
+
+
+USAGE = """usage: python -m maxtrain.train CONFIG.yml [key=value ...]
+
+Trains the decoder CONFIG.yml describes (configs/base.yml lists every key, its default and meaning);
+key=value pairs override the files. Outputs go to base_output_directory/run_name/."""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     return errors.exit_code(lambda: train(load_config(argv)))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:  # a failed run ends now: no waiting on threads (Orbax's, the compile) that may never finish
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -67,6 +67,7 @@ def test_the_loop_reads_each_step_metrics_after_queueing_the_next(train_tiny, mo
             step_of[id(metrics)] = sum(e.startswith("D") for e in events) + 1  # (a dead dict's id may recur)
             events.append(f"D{step_of[id(metrics)]}")
             return state, metrics
+        dispatch.memory_analysis = compiled.memory_analysis  # for the loop's will-it-fit check
         return dispatch
 
     def logged_get(x):

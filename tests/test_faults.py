@@ -1,0 +1,424 @@
+"""Fault injection: bad input, divergence, damaged checkpoints, full and read-only disks, early SIGTERM.
+
+Every failure must be one line with a non-zero exit code (2: the input, 1: the run), within a bounded
+time, and must never cost the last good checkpoint.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from maxtrain import data, train
+from conftest import TINY, TESTS
+
+CKPT = ("enable_checkpointing=true",)
+
+
+def run_cli(*args, out, timeout=180, module="maxtrain.train"):
+    """The CLI as a user runs it: (exit code, stdout, stderr, seconds)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", module, *args, f"base_output_directory={out}"],
+                          capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent,
+                          env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+    return proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - t0
+
+
+def one_line(err: str) -> str:
+    assert "Traceback" not in err, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def main_in_process(argv, capsys) -> tuple[int, str]:
+    """train.main without a subprocess, for errors found before anything compiles."""
+    code = train.main(argv)
+    return code, capsys.readouterr().err
+
+
+# ---- bad values and files: exit 2, one line naming the key or file ---------------------------------
+
+@pytest.mark.parametrize("override, expected", [
+    ("learning_rate=nan", "config error: learning_rate: must be a finite number"),
+    ("learning_rate=inf", "config error: learning_rate: must be a finite number"),
+    ("gradient_clipping_threshold=nan", "config error: gradient_clipping_threshold: must be a finite number"),
+    ("per_device_batch_size=nan", "config error: per_device_batch_size: must be a finite number"),
+    ("per_device_batch_size=inf", "config error: per_device_batch_size: must be a finite number"),
+    ("steps=1000000000000", "config error: steps: 1000000000000 is out of range"),
+    ("run_name=..", "config error: run_name: '..' is not a plain name"),
+    ("run_name=a/../../b", "config error: run_name:"),
+    ("nan_policy=ignore", "config error: nan_policy: 'ignore' is not one of skip, stop, rollback"),
+])
+def test_bad_values_are_one_line(override, expected, capsys, tmp_path):
+    code, err = main_in_process([TINY, f"base_output_directory={tmp_path}", override], capsys)
+    assert code == 2 and one_line(err).startswith(expected), err
+
+
+def test_binary_config_and_help(capsys, tmp_path):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    code, err = main_in_process([str(binary)], capsys)
+    assert code == 2 and one_line(err) == f"config error: config: {binary} is not a YAML text file"
+    assert train.main(["--help"]) == 0 and "usage: python -m maxtrain.train" in capsys.readouterr().out
+    assert train.main([]) == 2 and "usage:" in capsys.readouterr().err
+
+
+def test_unwritable_output_directory(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    code, err = main_in_process([TINY, f"base_output_directory={blocker}/out"], capsys)
+    assert code == 2 and one_line(err).startswith("config error: base_output_directory: cannot write"), err
+
+
+def write_array_record(path: Path, records: list[bytes]) -> None:
+    from array_record.python.array_record_module import ArrayRecordWriter
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for r in records:
+        writer.write(r)
+    writer.close()
+
+
+def test_bad_data_files_name_the_file(capsys, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / "num.jsonl").write_text('{"text": "fine"}\n{"text": 42}\n')
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "num.parquet")
+    write_array_record(tmp_path / "bin.array_record", [b"\xff\xfe\xfd not utf-8"] * 40)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "letters.txt").write_text("\n\n".join("abcdefgh"))  # one token per document
+    (tmp_path / "short.txt").write_text("a few words only")
+    cases = [
+        (["dataset_type=text", f"train_files={tmp_path}/num.jsonl"],
+         f"data error: {tmp_path}/num.jsonl: line 2: field 'text' is int, not text"),
+        (["dataset_type=parquet", f"train_files={tmp_path}/num.parquet"],
+         f"data error: {tmp_path}/num.parquet: column 'text' (text_field) holds int64, not text"),
+        (["dataset_type=array_record", f"train_files={tmp_path}/bin.array_record"],
+         f"data error: {tmp_path}/bin.array_record: record 0 is not UTF-8 text"),
+        (["dataset_type=text", f"train_files={tmp_path}/empty.txt"], f"data error: {tmp_path}/empty.txt: no documents"),
+        (["dataset_type=text", f"train_files={tmp_path}/letters.txt", "add_bos=false", "add_eos=false"],
+         f"data error: {tmp_path}/letters.txt: none of its 8 documents"),
+        (["dataset_type=text", f"train_files={tmp_path}/short.txt", "num_epochs=1"],
+         f"data error: {tmp_path}/short.txt: the data ends before the first batch"),
+    ]
+    for overrides, expected in cases:
+        t0 = time.perf_counter()
+        code, err = main_in_process([TINY, f"base_output_directory={tmp_path}", "vocab_size=384", *overrides], capsys)
+        assert code == 2 and one_line(err).startswith(expected), (overrides, err)
+        assert time.perf_counter() - t0 < 60  # no search without end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, needs", [("vocab_size=100000000", "the train state needs"),
+                                             ("vocab_size=10000000", "initializing the state needs"),
+                                             ("per_device_batch_size=100000", "the train step needs")])
+def test_sizes_that_cannot_fit_are_refused_before_they_run(override, needs, tmp_path):
+    code, out, err, seconds = run_cli(TINY, override, out=tmp_path, timeout=120)
+    line = one_line(err)
+    assert code == 2 and line.startswith(f"memory error: {needs}") and "GiB per device" in line, err[-2000:]
+    assert seconds < 60
+
+
+# ---- non-finite steps ---------------------------------------------------------------------------
+
+def strict_rows(path: Path) -> list[dict]:
+    def refuse(constant):
+        raise ValueError(f"non-JSON constant {constant}")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def finite_checkpoints(run_dir: Path) -> list[int]:
+    """Steps on disk; asserts every array in each is finite."""
+    import orbax.checkpoint as ocp
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    for step in steps:
+        path = run_dir / "checkpoints" / str(step) / "state"
+        checkpointer = ocp.PyTreeCheckpointer()
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                checkpointer.metadata(path).item_metadata.tree)
+        tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+        for x in jax.tree.leaves(tree):
+            assert np.all(np.isfinite(np.asarray(x, np.float32))), f"step {step} holds non-finite values"
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["skip", "stop", "rollback"])
+def test_a_divergent_run_stops_without_a_nan_checkpoint(policy, tmp_path):
+    code, out, err, seconds = run_cli(TINY, *CKPT, "learning_rate=1e6", "gradient_clipping_threshold=0", "steps=20",
+                                      "checkpoint_period=5", f"nan_policy={policy}", "max_nonfinite_steps=3",
+                                      out=tmp_path)
+    line = one_line(err)
+    assert code == 1 and line.startswith("run error: step "), err[-2000:]
+    assert ("nan_policy=stop" in line) if policy == "stop" else ("more than max_nonfinite_steps=3" in line)
+    finite_checkpoints(tmp_path / "tiny")
+    rows = strict_rows(tmp_path / "tiny" / "metrics.jsonl")
+    bad = [r for r in rows if r["train/nonfinite"]]
+    assert bad and any(r["train/grad_norm"] is None for r in bad)
+
+
+class Poisoned:
+    """The synthetic stream with NaN weights in the batches numbered `bad` (0-based): a data spike."""
+
+    def __init__(self, inner, bad):
+        self.inner, self.bad = inner, set(bad)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        index = self.inner.step
+        batch = next(self.inner)
+        if index in self.bad:
+            w = batch["weights"]
+            batch = {**batch, "weights": jax.device_put(np.full(w.shape, np.nan, np.float32), w.sharding)}
+        return batch
+
+    def __getattr__(self, name):  # get_state, set_state, skip
+        return getattr(self.inner, name)
+
+
+class Skipping(Poisoned):
+    """The synthetic stream without the batches numbered `bad`, from the start."""
+
+    def __next__(self):
+        while self.inner.step in self.bad:
+            self.inner.skip(1)
+        return next(self.inner)
+
+
+def stream(monkeypatch, wrapper, bad):
+    make = data.make_iterators
+    monkeypatch.setattr(data, "make_iterators", lambda c, sharding: (wrapper(make(c, sharding)[0], bad), None))
+
+
+def test_rollback_equals_a_run_that_skipped_those_batches(train_tiny, tmp_path, monkeypatch, capsys):
+    # Checkpoints at 4 and 8; batch 6 (step 7) is poisoned. The rollback restores step 4 and skips the
+    # batches of steps 5-7 (4, 5, 6): from then on it must be the run that never saw them.
+    args = (*CKPT, "steps=12", "checkpoint_period=4", "nan_policy=rollback", "learning_rate_schedule_steps=12")
+    stream(monkeypatch, Poisoned, [6])
+    rolled = train_tiny(*args, "run_name=rolled")
+    assert "rollback: step 7 was not finite" in capsys.readouterr().out
+    stream(monkeypatch, Skipping, [4, 5, 6])
+    reference = train_tiny(*args, "run_name=reference")
+    assert len(rolled["losses"]) == 12 and all(math.isfinite(x) for x in rolled["losses"])
+    assert rolled["losses"] == reference["losses"]  # identical, not close
+    assert finite_checkpoints(tmp_path / "rolled") == [4, 8, 12]
+    # The metrics file holds each step once, in order, valid JSON.
+    assert [r["step"] for r in strict_rows(tmp_path / "rolled" / "metrics.jsonl")] == list(range(1, 13))
+    # And the run resumes from its last checkpoint like any other.
+    monkeypatch.undo()
+    resumed = train_tiny(*args, "run_name=rolled", "steps=13", "learning_rate_schedule_steps=12")
+    assert len(resumed["losses"]) == 1 and math.isfinite(resumed["losses"][0])
+
+
+def test_skip_drops_the_update_and_goes_on(train_tiny, tmp_path, monkeypatch):
+    stream(monkeypatch, Poisoned, [2])
+    out = train_tiny(*CKPT, "steps=6", "checkpoint_period=3", "run_name=skipped")
+    assert out["nonfinite_steps"] == 1 and math.isnan(out["losses"][2])
+    assert all(math.isfinite(x) for i, x in enumerate(out["losses"]) if i != 2)
+    assert finite_checkpoints(tmp_path / "skipped") == [3, 6]
+    rows = strict_rows(tmp_path / "skipped" / "metrics.jsonl")
+    assert rows[2]["train/loss"] is None and rows[2]["train/nonfinite"] == 1.0 and rows[5]["train/nonfinite_steps"] == 1
+
+
+def test_stop_saves_nothing_after_the_bad_step_and_resumes(train_tiny, tmp_path, monkeypatch):
+    from maxtrain.errors import RunError
+    stream(monkeypatch, Poisoned, [4])
+    with pytest.raises(RunError, match="step 5: the loss or gradients are not finite"):
+        train_tiny(*CKPT, "steps=8", "checkpoint_period=2", "nan_policy=stop", "run_name=stopped")
+    assert finite_checkpoints(tmp_path / "stopped") == [2, 4]
+    monkeypatch.undo()
+    resumed = train_tiny(*CKPT, "steps=8", "checkpoint_period=2", "nan_policy=stop", "run_name=stopped")
+    assert len(resumed["losses"]) == 4 and all(math.isfinite(x) for x in resumed["losses"])
+
+
+@pytest.mark.parametrize("policy, saved", [("skip", [2, 6]), ("rollback", [2, 4, 6])])
+def test_a_state_overflowed_by_a_finite_update_is_never_saved(policy, saved, train_tiny, tmp_path, monkeypatch):
+    # Finite gradients can still overflow the parameters; the save's digest finds it and the step
+    # counts as non-finite (here faked once, at the save of step 4).
+    from maxtrain import checkpoint as ckpt_lib
+    real, calls = ckpt_lib.digest, []
+
+    def digest_overflowed_at_4(state, *args):
+        entries, finite = real(state, *args)
+        calls.append(int(state.step))
+        return entries, finite and not (calls[-1] == 4 and calls.count(4) == 1)
+    monkeypatch.setattr(ckpt_lib, "digest", digest_overflowed_at_4)
+    out = train_tiny(*CKPT, "steps=6", "checkpoint_period=2", f"nan_policy={policy}", f"run_name={policy}")
+    assert out["nonfinite_steps"] == 1 and int(out["state"].step) == 6
+    assert finite_checkpoints(tmp_path / policy) == saved
+
+
+# ---- damaged checkpoints: fall back to the newest good step ------------------------------------
+
+def largest_file(step_dir: Path) -> Path:
+    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def flip_bytes(path: Path, n: int = 64) -> None:
+    b = bytearray(path.read_bytes())
+    middle = len(b) // 2
+    for i in range(middle, middle + n):
+        b[i] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def damage(kind: str, step_dir: Path) -> None:
+    if kind == "bit flips":
+        flip_bytes(largest_file(step_dir))
+    elif kind == "missing file":
+        largest_file(step_dir).unlink()
+    elif kind == "truncated file":
+        f = largest_file(step_dir)
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif kind == "empty directory":
+        shutil.rmtree(step_dir)
+        step_dir.mkdir()
+    elif kind == "garbage model description":
+        for f in (step_dir / "model").rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"\x00garbage{{")
+
+
+@pytest.mark.parametrize("kind", ["bit flips", "missing file", "truncated file", "empty directory",
+                                  "garbage model description"])
+def test_a_damaged_latest_step_falls_back_to_the_previous(kind, train_tiny, tmp_path, capsys):
+    args = (*CKPT, "checkpoint_period=5", "learning_rate_schedule_steps=15")
+    train_tiny(*args, "run_name=damaged", "steps=10")
+    ckpts = tmp_path / "damaged" / "checkpoints"
+    shutil.copytree(tmp_path / "damaged", tmp_path / "clean")
+    shutil.rmtree(tmp_path / "clean" / "checkpoints" / "10")  # the same run, resumed from step 5
+    damage(kind, ckpts / "10")
+    capsys.readouterr()
+    resumed = train_tiny(*args, "run_name=damaged", "steps=15")
+    out = capsys.readouterr().out
+    warning = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and f"{ckpts}/10 is unusable" in warning[0] and "resuming from step 5" in warning[0]
+    assert f"resumed from {ckpts}/5" in out
+    assert (ckpts / "10.unusable").is_dir()  # moved aside, never deleted
+    reference = train_tiny(*args, "run_name=clean", "steps=15")
+    assert resumed["losses"] == reference["losses"] and len(resumed["losses"]) == 10
+
+
+def test_no_usable_step_is_one_line(train_tiny, tmp_path, capsys):
+    train_tiny(*CKPT, "run_name=ruined", "steps=4", "checkpoint_period=2")
+    for step in ("2", "4"):
+        damage("empty directory", tmp_path / "ruined" / "checkpoints" / step)
+    code, err = main_in_process([TINY, f"base_output_directory={tmp_path}", *CKPT, "run_name=ruined", "steps=6"],
+                                capsys)
+    line = one_line(err)
+    assert code == 2 and "no usable checkpoint" in line and "step 4:" in line and "step 2:" in line
+
+
+def test_resuming_with_another_optimizer_dtype_is_refused(train_tiny, tmp_path, capsys):
+    train_tiny(*CKPT, "run_name=dtype", "steps=2")
+    code, err = main_in_process([TINY, f"base_output_directory={tmp_path}", *CKPT, "run_name=dtype", "steps=4",
+                                 "mu_dtype=bfloat16"], capsys)
+    line = one_line(err)
+    assert code == 2 and "cannot resume this run with this config" in line and "mu" in line and "float32" in line
+
+
+# ---- full and read-only disks -------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (about two tiny checkpoints), where this machine lets the tests mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def steps_on(ckpts: Path) -> list[int]:
+    return sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+
+
+@pytest.mark.slow
+def test_disk_full_is_one_line_and_keeps_the_last_good_checkpoint(small_disk, tmp_path):
+    args = (TINY, *CKPT, "steps=40", "checkpoint_period=2", "max_num_checkpoints_to_keep=0",
+            "learning_rate_schedule_steps=40")
+    code, out, err, seconds = run_cli(*args, out=small_disk, timeout=180)
+    line = one_line(err)
+    assert code == 1 and line.startswith("checkpoint error: saving step ") and "No space left on device" in line, err
+    assert seconds < 120
+    good = steps_on(small_disk / "tiny" / "checkpoints")
+    assert good and f"the last good checkpoint is step {good[-1]}" in line
+    # Off the full disk, the last good step restores bitwise: it equals a straight run to that step.
+    shutil.copytree(small_disk / "tiny", tmp_path / "moved" / "tiny")
+    code, out, err, _ = run_cli(*args[:-3], f"steps={good[-1]}", "learning_rate_schedule_steps=40",
+                                "run_name=straight", out=tmp_path / "moved")
+    assert code == 0, err[-2000:]
+    from test_checkpoint import params_equal_bitwise, saved_params
+    assert params_equal_bitwise(saved_params(tmp_path / "moved" / "tiny" / "checkpoints" / str(good[-1])),
+                                saved_params(tmp_path / "moved" / "straight" / "checkpoints" / str(good[-1])))
+
+
+@pytest.mark.slow
+def test_read_only_checkpoints_are_one_line_and_exit(small_disk):
+    code, _, err, _ = run_cli(TINY, *CKPT, "steps=2", out=small_disk)
+    assert code == 0, err[-2000:]
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    code, out, err, seconds = run_cli(TINY, *CKPT, "steps=4", out=small_disk, timeout=120)
+    line = one_line(err)
+    assert code != 0 and "Read-only file system" in line, err[-2000:]
+    assert seconds < 60 and steps_on(small_disk / "tiny" / "checkpoints") == [2]
+
+
+# ---- SIGTERM from the first moment; MFU without save time ---------------------------------------
+
+@pytest.mark.slow
+def test_sigterm_during_start_up_exits_cleanly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={tmp_path}",
+                             *CKPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=TESTS.parent)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "stopped by SIGTERM during start-up" in out, (out, err[-2000:])
+    assert "Traceback" not in err
+
+
+def test_step_time_excludes_checkpoint_saves(train_tiny, tmp_path, monkeypatch):
+    from maxtrain import checkpoint as ckpt_lib
+    save = ckpt_lib.Checkpointer.save
+
+    def slow_save(self, *args):  # a save that takes 2 s of the loop's time
+        save(self, *args)
+        time.sleep(2.0)
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "save", slow_save)
+    train_tiny(*CKPT, "steps=6", "checkpoint_period=2", "run_name=timed")
+    rows = strict_rows(tmp_path / "timed" / "metrics.jsonl")
+    assert max(r["train/step_seconds"] for r in rows[1:]) < 1.5, [r["train/step_seconds"] for r in rows]
+
+
+# ---- the same faults in a two-process job: every process decides alike, none hangs ---------------
+
+@pytest.mark.slow
+def test_two_processes_roll_back_and_fall_back_together(tmp_path):
+    from test_multiprocess import launch
+    mesh = ("ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2")
+    proc = launch(tmp_path, *CKPT, *mesh, "run_name=div", "learning_rate=1e6", "gradient_clipping_threshold=0",
+                  "steps=20", "checkpoint_period=2", "nan_policy=rollback", "max_nonfinite_steps=2", timeout=300)
+    assert proc.returncode == 1 and "more than max_nonfinite_steps=2" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.count("rollback: step") == 2
+    assert "more than max_nonfinite_steps=2" in (tmp_path / "logs" / "process_1.log").read_text()
+    finite_checkpoints(tmp_path / "div")
+    # A damaged newest step: both processes fall back to the same older one.
+    proc = launch(tmp_path, *CKPT, *mesh, "run_name=ok", "steps=4", "checkpoint_period=2", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    damage("bit flips", tmp_path / "ok" / "checkpoints" / "4")
+    proc = launch(tmp_path, *CKPT, *mesh, "run_name=ok", "steps=6", "checkpoint_period=2", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {tmp_path}/ok/checkpoints/2" in proc.stdout and "done: 6 steps" in proc.stdout
+    assert (tmp_path / "ok" / "checkpoints" / "4.unusable").is_dir()
