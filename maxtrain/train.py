@@ -309,21 +309,14 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
             if must_save or must_eval or preempted or step == c.steps:  # these wait for it anyway: check it first
                 to_read.append(pending)
                 pending = None
-            action = None
-            for item in to_read:
-                action = read(*item)
-                if action == "rollback":
-                    state, step = rollback(item[0])
-                    pending = None
-                    break
-            if action == "rollback":
+            bad_step = next((item[0] for item in to_read if read(*item) == "rollback"), None)
+            if bad_step is None and must_save and save(step) == "rollback":
+                bad_step = step
+            if bad_step is not None:
+                state, step = rollback(bad_step)
+                pending = None
                 if preempted:
                     break  # the checkpoint just restored is where a rerun resumes
-                continue
-            if must_save and save(step) == "rollback":
-                state, step = rollback(step)
-                if preempted:
-                    break
                 continue
             if must_eval:
                 run_eval(step)
