@@ -195,6 +195,10 @@ class Checkpointer:
         for step in steps[:-keep] if keep else []:
             self.manager.delete(step)
 
+    def wait(self) -> None:
+        """Blocks until the save in flight is durable (SaveError if it failed)."""
+        self._confirm()
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
