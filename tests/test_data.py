@@ -101,6 +101,21 @@ def test_same_batches_after_restoring_state(tiny_config):
             np.testing.assert_array_equal(want[k], got[k])
 
 
+def test_skip_is_the_same_as_reading_past(tiny_config):
+    # A rollback skips the batches that led to a spike: the stream afterwards is the one read past them.
+    c = tiny_config(*TEXT, f"train_files={SHAKESPEARE}")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    for make in (lambda: data.make_iterator(c, sharding),
+                 lambda: data.SyntheticIterator(c.replace(dataset_type="synthetic"), sharding)):
+        read, skipped = make(), make()
+        expected = [next(read) for _ in range(6)][3:]
+        skipped.skip(3)
+        for want, got in zip(expected, [next(skipped) for _ in range(3)], strict=True):
+            for k in want:
+                np.testing.assert_array_equal(np.asarray(want[k]), np.asarray(got[k]))
+
+
 def test_shuffle_is_deterministic_and_seeded(tiny_config):
     docs = [f"doc {i}" for i in range(40)]
     c = tiny_config(*TEXT, f"train_files={SHAKESPEARE}", "packing=false")
