@@ -41,12 +41,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention": ("dot_product", "blockwise", "jax_nn", "splash"),
     "distributed_init": ("auto", "true", "false"),
     "nan_policy": ("skip", "stop", "rollback"),
+    "profiler": ("", "xplane"),
 }
 POSITIVE_INTS = (
     "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
     "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_num_decoder_layers",
     "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
-    "distributed_heartbeat_timeout_seconds", "max_new_tokens",
+    "distributed_heartbeat_timeout_seconds", "max_new_tokens", "profiler_start_step", "profiler_steps",
 )
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -242,7 +243,8 @@ def _validate(c: dict[str, Any]) -> None:
     choices = {**CHOICES, "remat_policy": POLICY_NAMES}
     for key, allowed in choices.items():
         if c[key] not in allowed:
-            raise ConfigError(key, f"{c[key]!r} is not one of {', '.join(allowed)}")
+            shown = ", ".join(a or '""' for a in allowed)
+            raise ConfigError(key, f"{c[key]!r} is not one of {shown}")
     for key in POSITIVE_INTS:
         if c[key] <= 0:
             raise ConfigError(key, f"must be a positive integer, got {c[key]}")

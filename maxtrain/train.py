@@ -29,7 +29,8 @@ from pathlib import Path
 import jax
 
 from maxtrain import config as config_lib, errors
-from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, step as step_lib, summary
+from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, profiler as profiler_lib
+from maxtrain import step as step_lib, summary
 
 
 def say(*args) -> None:
@@ -212,6 +213,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
         # third of the machine's rate.
         peak = metrics_lib.peak_tflops_per_device(c)
         stop = Preemption()  # from here a SIGTERM is a step to save at
+        profiler = profiler_lib.StepProfiler(c, run_dir)
         preempted = exhausted = False
         t_start = time.perf_counter()
         first_step = int(state.step)
@@ -299,8 +301,10 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
                 say(f"data exhausted after num_epochs={c.num_epochs} at step {step}")
                 exhausted = True
                 break
+            profiler.before_step(step + 1)
             state, device_metrics = train_step(state, batch)
             step += 1
+            profiler.after_step(step, state)
             preempted = stop.reached(step)
             must_save = checkpointer is not None and (preempted or step == c.steps or checkpointer.due(step))
             must_eval = bool(make_eval_iterator and c.eval_interval and (step % c.eval_interval == 0 or step == c.steps))
@@ -324,6 +328,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
                 break
         if pending is not None and read(*pending) == "rollback":
             state, step = rollback(pending[0])  # the last step was bad: end at the good state before it
+        profiler.stop(state)  # the run ended inside the traced steps
         last = int(state.step)
         if exhausted and last == first_step == 0:
             raise data.DataError(f"{c.train_files}: the data ends before the first batch of {c.global_batch_size} x "

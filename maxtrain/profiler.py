@@ -1,0 +1,39 @@
+"""A jax.profiler trace of chosen steps (`profiler: xplane`), for TensorBoard's profile plugin or XProf.
+
+The trace covers steps profiler_start_step .. profiler_start_step + profiler_steps - 1 (absolute step
+numbers, so a resumed run profiles the same steps or none) and lands in <run>/profile/plugins/profile/
+<timestamp>/<host>.xplane.pb; every process writes its own host's file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from maxtrain.config import Config
+
+
+class StepProfiler:
+    def __init__(self, c: Config, run_dir: Path):
+        self.enabled = c.profiler == "xplane"
+        self.first, self.last = c.profiler_start_step, c.profiler_start_step + c.profiler_steps - 1
+        self.directory = run_dir / "profile"
+        self.active = False
+
+    def before_step(self, step: int) -> None:
+        """Call before dispatching step `step` (1-based, the step the state will be at after it)."""
+        if self.enabled and step == self.first and not self.active:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after_step(self, step: int, state) -> None:
+        """Call after dispatching step `step`: past the last profiled step, wait for it and write the trace."""
+        if self.active and step >= self.last:
+            self.stop(state)
+
+    def stop(self, state=None) -> None:
+        if self.active:
+            jax.block_until_ready(state)  # the trace must hold the profiled steps' device work
+            jax.profiler.stop_trace()
+            self.active = False
