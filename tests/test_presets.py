@@ -1,0 +1,38 @@
+"""Model presets: each one's parameter count equals what transformers builds from the same config (on
+the meta device: nothing is allocated or downloaded), and the named models' published totals."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from maxtrain import config as config_lib, hf_format
+
+# Total parameters of the released checkpoints (their safetensors metadata / model cards).
+PUBLISHED = {
+    "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248,
+    "llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
+    "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "mistral-7b": 7_248_023_552,
+    "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
+    "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "smollm2-1.7b": 1_711_376_384,
+    "tinyllama-1.1b": 1_100_048_384,
+}
+PRESETS = sorted(p.stem for p in (config_lib.CONFIG_DIR / "models").glob("*.yml"))
+
+
+def test_every_published_model_has_a_preset():
+    assert set(PUBLISHED) <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_parameter_count_matches_transformers(name):
+    c = config_lib.load([str(config_lib.BASE_YML), f"model_name={name}"])
+    hf = hf_format.hf_config_for(dict(c), "float32", None, None)
+    imported = hf_format.model_keys_from_hf(hf)  # the preset survives an HF export and import
+    assert imported == {k: c[k] for k in imported}
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())  # tied embeddings are counted once
+    assert c.num_params == count
+    if name in PUBLISHED:
+        assert count == PUBLISHED[name]
