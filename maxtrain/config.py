@@ -201,12 +201,22 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
     return value
 
 
+def config_path(arg: str) -> Path:
+    """The config file as given or, where no such file exists, the one the package ships: `base.yml` and
+    `configs/base.yml` work from any directory once maxtrain is installed."""
+    given = Path(arg)
+    for shipped in (CONFIG_DIR / arg, CONFIG_DIR / arg.removeprefix("configs/")):
+        if not given.exists() and shipped.is_file():
+            return shipped
+    return given
+
+
 def load(argv: Sequence[str]) -> Config:
     """argv = [config.yml, key=value, ...] -> validated Config (devices not yet known)."""
     if not argv or "=" in argv[0]:
         raise ConfigError("config", "first argument must be a YAML config file")
     defaults = _read_yaml(BASE_YML)
-    files = _read_chain(Path(argv[0]))
+    files = _read_chain(config_path(argv[0]))
     for key in files:
         _check_known(key, defaults)
     overrides = dict(_parse_override(arg, defaults) for arg in argv[1:])
