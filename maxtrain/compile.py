@@ -53,7 +53,7 @@ def compile_for(c_static: config_lib.Config) -> int:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=spec,
                                         num_slices=c_static.compile_topology_num_slices)
     devices = desc.devices
-    c = config_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices))
+    c = config_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices), "tpu")
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     hbm = hbm_per_chip * chips * c.compile_topology_num_slices / len(devices)  # per device
     advice = "try a larger ici_fsdp_parallelism, remat_policy=full, or a smaller per_device_batch_size"
@@ -71,8 +71,8 @@ def compile_for(c_static: config_lib.Config) -> int:
     flops = metrics.train_flops_per_step(c)
     print(f"{c.compile_topology} x {c.compile_topology_num_slices} slice(s) ({spec}, {len(devices)} devices "
           f"{devices[0].device_kind}) | {c.num_params / 1e6:,.1f}M params | mesh {c.mesh_shape} | "
-          f"batch {c.global_batch_size} x {c.max_target_length} | remat {c.remat_policy} | {c.dtype} "
-          f"compute, {c.weight_dtype} weights")
+          f"batch {c.global_batch_size} x {c.max_target_length} | remat {c.remat_policy} | "
+          f"{config_lib.platform_summary(c)} | {c.weight_dtype} weights")
     print(f"memory per device: {summary.format_memory(mem)} | HBM {hbm:.1f} GiB")
     print(f"model FLOPs per step: {flops:.3e} ({flops / len(devices) / 1e12:.1f} TFLOP per device)")
     if mem["total"] > hbm:

@@ -52,7 +52,7 @@ def load_config(argv: list[str], devices=None) -> config_lib.Config:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     devices = devices or jax.devices()
-    return config_lib.with_devices(c, len(devices), mesh_lib.num_slices(devices))
+    return config_lib.with_devices(c, len(devices), mesh_lib.num_slices(devices), devices[0].platform)
 
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
@@ -166,7 +166,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
     say(f"maxtrain: {c.num_params:,} parameters | mesh {c.mesh_shape} | global batch "
-        f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | {c.dtype}")
+        f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | "
+        f"{config_lib.platform_summary(c)}")
     if c.dry_run:
         dry_run(c, trainer)
         return {}

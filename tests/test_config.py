@@ -203,3 +203,25 @@ def test_cli_mesh_error_exits_2(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("config error: ici_*_parallelism:")
     assert "product 3" in proc.stderr
+
+
+def test_attention_auto_is_each_platforms_kernel_and_an_explicit_value_wins():
+    def resolved(*overrides, platform):
+        return config.with_devices(config.load([BASE, *overrides]), 1, platform=platform).attention
+    assert resolved(platform="tpu") == "splash" and resolved(platform="gpu") == "jax_nn"
+    assert resolved(platform="cpu") == "blockwise"
+    assert resolved("max_target_length=100", platform="tpu") == "blockwise"  # splash needs blocks of 128
+    assert resolved("attention=dot_product", platform="tpu") == "dot_product"
+
+
+def test_auto_chunks_switch_on_where_the_unchunked_tensors_are_large():
+    def chunks(*overrides, devices=64):
+        c = config.with_devices(config.load([BASE, *overrides]), devices, platform="tpu")
+        return c.loss_chunk_size, c.mlp_chunk_size
+    # llama2-7b at 4096 on 64 chips: 2 GiB of float32 logits and 360 MB of bf16 MLP activations per chip.
+    assert chunks("model_name=llama2-7b", "max_target_length=4096") == (512, 2048)
+    # The CPU demo's logits (4 x 128 x 512) are small: nothing is chunked.
+    assert chunks(devices=1) == (0, 0)
+    # Chunks divide the length; an explicit value wins.
+    assert chunks("model_name=llama3-8b", "max_target_length=3000") == (500, 1500)
+    assert chunks("model_name=llama2-7b", "max_target_length=4096", "loss_chunk_size=0") == (0, 2048)

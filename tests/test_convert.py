@@ -59,7 +59,7 @@ def hf_logits(model, tokens) -> np.ndarray:
 def load_maxtrain(config_path, *overrides, n_devices=8):
     """(config, trainer, params) for a converted checkpoint, on n_devices (fsdp over all by default)."""
     devices = jax.devices()[:n_devices]
-    c = train.load_config([str(config_path), *overrides], devices)
+    c = train.load_config([str(config_path), "dtype=float32", *overrides], devices)  # parity with HF in float32
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
     with mesh_lib.activate(mesh, trainer.rules):
