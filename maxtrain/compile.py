@@ -21,7 +21,8 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-from maxtrain import config as config_lib, errors, mesh as mesh_lib, metrics, step as step_lib, summary  # noqa: E402
+from maxtrain import config as config_lib, errors, mesh as mesh_lib, metrics, platform_defaults  # noqa: E402
+from maxtrain import step as step_lib, summary  # noqa: E402
 
 # HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
 CHIPS = {"v4": (32.0, 2, 3), "v5p": (95.0, 2, 3), "v5e": (16.0, 1, 2), "v6e": (32.0, 1, 2)}
@@ -72,7 +73,7 @@ def compile_for(c_static: config_lib.Config) -> int:
     print(f"{c.compile_topology} x {c.compile_topology_num_slices} slice(s) ({spec}, {len(devices)} devices "
           f"{devices[0].device_kind}) | {c.num_params / 1e6:,.1f}M params | mesh {c.mesh_shape} | "
           f"batch {c.global_batch_size} x {c.max_target_length} | remat {c.remat_policy} | "
-          f"{config_lib.platform_summary(c)} | {c.weight_dtype} weights")
+          f"{platform_defaults.summary(c)} | {c.weight_dtype} weights")
     print(f"memory per device: {summary.format_memory(mem)} | HBM {hbm:.1f} GiB")
     print(f"model FLOPs per step: {flops:.3e} ({flops / len(devices) / 1e12:.1f} TFLOP per device)")
     if mem["total"] > hbm:

@@ -384,19 +384,12 @@ def _fill(group: str, sizes: dict[str, int], total: int) -> dict[str, int]:
     return sizes
 
 
-def platform_attention(platform: str, max_target_length: int) -> str:
-    """attention=auto: each platform's fast kernel (splash needs sequences in blocks of 128)."""
-    if platform == "tpu":
-        return "splash" if max_target_length % 128 == 0 else "blockwise"
-    return "jax_nn" if platform == "gpu" else "blockwise"
-
-
 def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform: str = "cpu") -> Config:
     """Resolve the mesh and the platform defaults for the actual devices, and check everything that
     depends on them."""
+    from maxtrain import platform_defaults  # it reads the mesh this function resolves
+
     c = config.to_dict()
-    if c["attention"] == "auto":
-        c["attention"] = platform_attention(platform, c["max_target_length"])
     if num_devices % num_slices:
         raise ConfigError("dcn_*_parallelism", f"{num_devices} devices do not split into {num_slices} slices")
     ici = _fill("ici", {a: c[f"ici_{a}_parallelism"] for a in MESH_AXES}, num_devices // num_slices)
@@ -422,36 +415,8 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
 
     c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
              mesh_shape=shape, global_batch_size=global_batch)
-    _auto_chunks(c)
+    platform_defaults.resolve(c, platform)
     return Config(c)
-
-
-MiB = 2**20
-AUTO_CHUNKS = {  # key: (chunk, bytes per device above which it is on)
-    "loss_chunk_size": (512, 512 * MiB),   # the float32 logits [rows, length, vocab shard]
-    "mlp_chunk_size": (2048, 256 * MiB),   # one layer's [rows, length, mlp shard] in the compute dtype
-}
-
-
-def platform_summary(c: Config) -> str:
-    """The settings the platform defaults resolved, for a run's first line."""
-    chunks = "".join(f" | {name} chunk {c[key]}" for name, key in (("loss", "loss_chunk_size"),
-                                                                   ("mlp", "mlp_chunk_size")) if c[key])
-    return f"{c.dtype} | attention {c.attention}{chunks}"
-
-
-def _auto_chunks(c: dict[str, Any]) -> None:
-    """loss_chunk_size / mlp_chunk_size = -1: chunk where the unchunked tensor would be large per device."""
-    def shards(logical: str) -> int:
-        return math.prod(c["mesh_shape"][a] for a in mesh_axes_for(c["logical_axis_rules"], logical))
-    rows = c["global_batch_size"] / shards("batch") / c["gradient_accumulation_steps"]
-    length, itemsize = c["max_target_length"], 2 if c["dtype"] == "bfloat16" else 4
-    sizes = {"loss_chunk_size": rows * length * c["vocab_size"] / shards("vocab") * 4,
-             "mlp_chunk_size": rows * length * c["base_mlp_dim"] / shards("mlp") * itemsize}
-    for key, (chunk, limit) in AUTO_CHUNKS.items():
-        if c[key] == -1:
-            divisor = max(d for d in range(1, min(chunk, length) + 1) if length % d == 0)
-            c[key] = divisor if sizes[key] > limit and divisor < length else 0
 
 
 def mesh_axes_for(rules: list, logical: str) -> list[str]:

@@ -29,7 +29,8 @@ from pathlib import Path
 import jax
 
 from maxtrain import config as config_lib, errors
-from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, profiler as profiler_lib
+from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, platform_defaults
+from maxtrain import profiler as profiler_lib
 from maxtrain import step as step_lib, summary
 
 
@@ -167,7 +168,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     trainer = step_lib.build(c, mesh)
     say(f"maxtrain: {c.num_params:,} parameters | mesh {c.mesh_shape} | global batch "
         f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | "
-        f"{config_lib.platform_summary(c)}")
+        f"{platform_defaults.summary(c)}")
     if c.dry_run:
         dry_run(c, trainer)
         return {}

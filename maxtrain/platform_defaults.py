@@ -1,0 +1,52 @@
+"""Platform defaults: the values `attention=auto` and `loss_chunk_size` / `mlp_chunk_size=-1` take once
+the devices are known, so that the plain command is the fast, lean one on TPU, GPU and CPU. Each rule is
+stated in base.yml beside its key; an explicit value always wins."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from maxtrain.config import mesh_axes_for
+
+
+def resolve(c: dict[str, Any], platform: str) -> None:
+    """Fills in the auto values of a config whose mesh is resolved (config.with_devices)."""
+    if c["attention"] == "auto":
+        c["attention"] = attention_for(platform, c["max_target_length"])
+    auto_chunks(c)
+
+
+def attention_for(platform: str, max_target_length: int) -> str:
+    """attention=auto: each platform's fast kernel (splash needs sequences in blocks of 128)."""
+    if platform == "tpu":
+        return "splash" if max_target_length % 128 == 0 else "blockwise"
+    return "jax_nn" if platform == "gpu" else "blockwise"
+
+
+MiB = 2**20
+AUTO_CHUNKS = {  # key: (chunk, bytes per device above which it is on)
+    "loss_chunk_size": (512, 512 * MiB),   # the float32 logits [rows, length, vocab shard]
+    "mlp_chunk_size": (2048, 256 * MiB),   # one layer's [rows, length, mlp shard] in the compute dtype
+}
+
+
+def summary(c) -> str:
+    """The settings the platform defaults resolved, for a run's first line."""
+    chunks = "".join(f" | {name} chunk {c[key]}" for name, key in (("loss", "loss_chunk_size"),
+                                                                   ("mlp", "mlp_chunk_size")) if c[key])
+    return f"{c.dtype} | attention {c.attention}{chunks}"
+
+
+def auto_chunks(c: dict[str, Any]) -> None:
+    """loss_chunk_size / mlp_chunk_size = -1: chunk where the unchunked tensor would be large per device."""
+    def shards(logical: str) -> int:
+        return math.prod(c["mesh_shape"][a] for a in mesh_axes_for(c["logical_axis_rules"], logical))
+    rows = c["global_batch_size"] / shards("batch") / c["gradient_accumulation_steps"]
+    length, itemsize = c["max_target_length"], 2 if c["dtype"] == "bfloat16" else 4
+    sizes = {"loss_chunk_size": rows * length * c["vocab_size"] / shards("vocab") * 4,
+             "mlp_chunk_size": rows * length * c["base_mlp_dim"] / shards("mlp") * itemsize}
+    for key, (chunk, limit) in AUTO_CHUNKS.items():
+        if c[key] == -1:
+            divisor = max(d for d in range(1, min(chunk, length) + 1) if length % d == 0)
+            c[key] = divisor if sizes[key] > limit and divisor < length else 0
