@@ -121,6 +121,13 @@ def expand_files(patterns: str, key: str) -> list[str]:
     return files
 
 
+def _as_text(value, where: str, text_field: str) -> str:
+    """A document's text field, which must be a string (a number would fail later, inside grain)."""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {text_field!r} is {type(value).__name__}, not text")
+    return value
+
+
 def _read_text_file(path: str, text_field: str) -> list[str]:
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -137,9 +144,7 @@ def _read_text_file(path: str, text_field: str) -> list[str]:
                 raise DataError(f"{path}: line {number} is not a JSON object") from None
             except KeyError:
                 raise DataError(f"{path}: line {number} has no field {text_field!r} (text_field)") from None
-            if not isinstance(doc, str):
-                raise DataError(f"{path}: line {number}: field {text_field!r} is {type(doc).__name__}, not text")
-            docs.append(doc)
+            docs.append(_as_text(doc, f"{path}: line {number}", text_field))
         return docs
     # Plain text: documents are separated by blank lines.
     return [d.strip("\n") for d in text.split("\n\n") if d.strip()]
@@ -194,9 +199,7 @@ class _ArrayRecordText:
             text = json.loads(record)[self._field]
         except (json.JSONDecodeError, TypeError, KeyError):
             raise DataError(f"{where}: not a JSON object with a {self._field!r} field (text_field)") from None
-        if not isinstance(text, str):
-            raise DataError(f"{where}: field {self._field!r} is {type(text).__name__}, not text")
-        return text
+        return _as_text(text, where, self._field)
 
 
 def document_source(c: Config, files: list[str]):

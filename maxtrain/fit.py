@@ -47,6 +47,6 @@ def check_state(trainer) -> None:
     _check("the train state", need, trainer.mesh.devices.flat[0])
 
 
-def check_step(compiled, mesh, what: str = "the train step") -> None:
+def check_compiled(compiled, mesh, what: str = "the train step") -> None:
     """A compiled program (the train step: state, batch, activations and temporaries; or the init)."""
     _check(what, summary.memory_report(compiled)["total"] * GiB, mesh.devices.flat[0])

@@ -74,7 +74,7 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
         say(f"loading full state from {c.load_full_state_path}")
         return ckpt_lib.load_full_state(c, trainer.abstract_state)
     init = trainer.init.lower(jax.random.key(c.init_weights_seed)).compile()
-    fit.check_step(init, trainer.mesh, "initializing the state")  # its temporaries can exceed the state's size
+    fit.check_compiled(init, trainer.mesh, "initializing the state")  # its temporaries can exceed the state's size
     state = init(jax.random.key(c.init_weights_seed))
     if c.load_parameters_path:
         from maxtrain import checkpoint as ckpt_lib
@@ -208,7 +208,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
         state = initial_state(c, trainer, checkpointer, batches)
         writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=int(state.step))
         train_step = compiling.result()
-        fit.check_step(train_step, mesh)  # before the first batch is made
+        fit.check_compiled(train_step, mesh)  # before the first batch is made
         jax.block_until_ready(state)
         say(f"state ready and train step compiled in {time.perf_counter() - t_compile:.1f} s")
         # Only now: on CPU the MFU denominator is a matmul probe, which beside the compile read a
