@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from maxtrain.config import MODEL_KEYS, Config
+from maxtrain.config import MODEL_KEYS, Config, defaults
 from maxtrain.digest import Corrupt, digest, json_sha256, leaf_signature, verify
 from maxtrain.errors import NonFiniteState, RunError, UserError
 
@@ -73,12 +73,15 @@ sys.unraisablehook = _quiet_closed_loops
 
 
 def model_signature(c: Config) -> dict[str, Any]:
-    return {k: c[k] for k in MODEL_KEYS} | {"scan_layers": c.scan_layers}
+    """The model keys, and the training default an export hands on (router_aux_loss_coef)."""
+    return {k: c[k] for k in (*MODEL_KEYS, "load_balance_loss_weight")} | {"scan_layers": c.scan_layers}
 
 
 def check_model(saved: dict[str, Any], c: Config, where: str) -> None:
     ours = model_signature(c)
-    diff = [f"{k} (checkpoint {saved.get(k)!r}, config {ours[k]!r})" for k in ours if saved.get(k) != ours[k]]
+    saved = {**defaults(), **saved}  # keys added since the checkpoint was written had their default
+    diff = [f"{k} (checkpoint {saved.get(k)!r}, config {ours[k]!r})" for k in ours
+            if saved.get(k) != ours[k] and k != "load_balance_loss_weight"]  # that one may change in a fine-tune
     if diff:
         raise CheckpointError(f"{where}: model shape differs: {'; '.join(diff)}")
 

@@ -70,8 +70,9 @@ def compile_for(c_static: config_lib.Config) -> int:
         return 1
     mem = summary.memory_report(compiled)
     flops = metrics.train_flops_per_step(c)
+    active = f" ({c.num_active_params / 1e6:,.1f}M active)" if c.num_experts > 1 else ""
     print(f"{c.compile_topology} x {c.compile_topology_num_slices} slice(s) ({spec}, {len(devices)} devices "
-          f"{devices[0].device_kind}) | {c.num_params / 1e6:,.1f}M params | mesh {c.mesh_shape} | "
+          f"{devices[0].device_kind}) | {c.num_params / 1e6:,.1f}M params{active} | mesh {c.mesh_shape} | "
           f"batch {c.global_batch_size} x {c.max_target_length} | remat {c.remat_policy} | "
           f"{platform_defaults.summary(c)} | {c.weight_dtype} weights")
     print(f"memory per device: {summary.format_memory(mem)} | HBM {hbm:.1f} GiB")

@@ -22,14 +22,17 @@ from maxtrain.errors import UserError
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_YML = CONFIG_DIR / "base.yml"
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 DTYPES = ("float32", "bfloat16")
 MODEL_KEYS = (
     "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
     "base_mlp_dim", "base_num_decoder_layers", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
     "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
-    "logits_via_embedding", "qkv_bias",
+    "logits_via_embedding", "qkv_bias", "use_qk_norm", "num_experts", "num_experts_per_tok", "base_moe_mlp_dim",
+    "shared_experts", "first_num_dense_layers", "routed_score_func", "norm_topk_prob", "routed_scaling_factor",
+    "routed_bias",
 )
+PRESET_KEYS = (*MODEL_KEYS, "load_balance_loss_weight")  # a preset may also give the model's training default
 # Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.remat.
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
@@ -42,12 +45,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "distributed_init": ("auto", "true", "false"),
     "nan_policy": ("skip", "stop", "rollback"),
     "profiler": ("", "xplane"),
+    "routed_score_func": ("softmax", "sigmoid"),
+    "moe_grouped_matmul": ("auto", "megablox", "ragged_dot", "blocked"),
 }
 POSITIVE_INTS = (
     "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
     "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_num_decoder_layers",
     "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
     "distributed_heartbeat_timeout_seconds", "max_new_tokens", "profiler_start_step", "profiler_steps",
+    "num_experts", "num_experts_per_tok",
 )
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -211,6 +217,11 @@ def config_path(arg: str) -> Path:
     return given
 
 
+def defaults() -> dict[str, Any]:
+    """Every key's default, from base.yml."""
+    return _read_yaml(BASE_YML)
+
+
 def load(argv: Sequence[str]) -> Config:
     """argv = [config.yml, key=value, ...] -> validated Config (devices not yet known)."""
     if not argv or "=" in argv[0]:
@@ -238,7 +249,7 @@ def _read_preset(name: str) -> dict[str, Any]:
         raise ConfigError("model_name", f"no preset {name!r}; known: default, {', '.join(known)}")
     preset = _read_yaml(path)
     for key in preset:
-        if key not in MODEL_KEYS:
+        if key not in PRESET_KEYS:
             raise ConfigError(key, f"model preset {path.name} may only set model keys")
     return preset
 
@@ -272,7 +283,8 @@ def _validate(c: dict[str, Any]) -> None:
             raise ConfigError(key, "must be in [0, 1)")
     for key in ("learning_rate", "adam_eps", "adam_weight_decay", "gradient_clipping_threshold",
                 "z_loss_multiplier", "peak_tflops_per_device", "normalization_layer_epsilon", "temperature",
-                "top_k"):
+                "top_k", "load_balance_loss_weight", "router_z_loss_weight", "routed_bias_update_rate",
+                "shared_experts", "first_num_dense_layers"):
         if c[key] < 0:
             raise ConfigError(key, "must be >= 0")
     for key in ("loss_chunk_size", "mlp_chunk_size"):
@@ -315,10 +327,27 @@ def _validate(c: dict[str, Any]) -> None:
                 raise ConfigError(f"{group}_{axis}_parallelism", "must be positive or -1 (fill)")
         if list(sizes.values()).count(-1) > 1:
             raise ConfigError(f"{group}_*_parallelism", "at most one axis per group may be -1")
+    _validate_moe(c)
     _validate_rules(c["logical_axis_rules"])
     _validate_prompt_ids(c["prompt_ids"], c["vocab_size"])
     if c["top_k"] > c["vocab_size"]:
         raise ConfigError("top_k", f"{c['top_k']} exceeds vocab_size={c['vocab_size']}")
+
+
+def _validate_moe(c: dict[str, Any]) -> None:
+    if c["num_experts_per_tok"] > c["num_experts"]:
+        raise ConfigError("num_experts_per_tok", f"{c['num_experts_per_tok']} exceeds num_experts={c['num_experts']}")
+    if c["base_moe_mlp_dim"] == 0 or c["base_moe_mlp_dim"] < -1:
+        raise ConfigError("base_moe_mlp_dim", "must be positive or -1 (= base_mlp_dim)")
+    if c["routed_scaling_factor"] <= 0:
+        raise ConfigError("routed_scaling_factor", "must be > 0")
+    if c["num_experts"] == 1:  # a dense model: the MoE keys that shape the model must stay at their defaults
+        for key in ("shared_experts", "first_num_dense_layers", "routed_bias"):
+            if c[key]:
+                raise ConfigError(key, "needs num_experts > 1 (a mixture of experts)")
+    elif c["first_num_dense_layers"] >= c["base_num_decoder_layers"]:
+        raise ConfigError("first_num_dense_layers", f"{c['first_num_dense_layers']} leaves no MoE layer of "
+                          f"base_num_decoder_layers={c['base_num_decoder_layers']}")
 
 
 def prompt_token_ids(text: str) -> list[int]:
@@ -352,19 +381,31 @@ def _validate_rules(rules: Any) -> None:
 # Derived values
 
 
-def count_params(c: Mapping[str, Any]) -> int:
-    """Parameter count from the model shape (checked against the real model in tests)."""
+def count_params(c: Mapping[str, Any], active: bool = False) -> int:
+    """Parameter count from the model shape (checked against the real model in tests); `active`: those a
+    token uses, i.e. of the routed experts only its top-k (the FLOPs count these, as MaxText's)."""
     d, h, kv, hd = c["base_emb_dim"], c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
-    per_layer = d * hd * (2 * h + 2 * kv) + 3 * d * c["base_mlp_dim"] + 2 * d
-    per_layer += hd * (h + 2 * kv) if c["qkv_bias"] else 0
+    attention = d * hd * (2 * h + 2 * kv) + 2 * d
+    attention += hd * (h + 2 * kv) if c["qkv_bias"] else 0
+    attention += 2 * hd if c["use_qk_norm"] else 0
+    dense_layers, moe_layers = c["base_num_decoder_layers"], 0
+    moe = 0
+    if c["num_experts"] > 1:
+        dense_layers, moe_layers = c["first_num_dense_layers"], c["base_num_decoder_layers"] - c["first_num_dense_layers"]
+        routed = c["num_experts_per_tok"] if active else c["num_experts"]
+        moe = d * c["num_experts"] + 3 * d * c["moe_mlp_dim"] * (routed + c["shared_experts"])
+        moe += c["num_experts"] if c["routed_bias"] and not active else 0
     embeddings = c["vocab_size"] * d * (1 if c["logits_via_embedding"] else 2)
-    return c["base_num_decoder_layers"] * per_layer + embeddings + d
+    return (dense_layers * (attention + 3 * d * c["base_mlp_dim"]) + moe_layers * (attention + moe)
+            + embeddings + d)
 
 
 def _derive_static(c: dict[str, Any]) -> dict[str, Any]:
     if c["learning_rate_schedule_steps"] == -1:
         c["learning_rate_schedule_steps"] = c["steps"]
+    c["moe_mlp_dim"] = c["base_mlp_dim"] if c["base_moe_mlp_dim"] == -1 else c["base_moe_mlp_dim"]
     c["num_params"] = count_params(c)
+    c["num_active_params"] = count_params(c, active=True)
     return c
 
 
@@ -400,6 +441,8 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
     for key in ("base_num_query_heads", "base_num_kv_heads"):
         if c[key] % tensor:
             raise ConfigError(key, f"{c[key]} is not divisible by the tensor axis ({tensor})")
+    if c["num_experts"] > 1:
+        _check_expert_sharding(c, shape)
 
     global_batch = c["per_device_batch_size"] * num_devices
     if global_batch != int(global_batch) or global_batch < 1:
@@ -417,6 +460,33 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
              mesh_shape=shape, global_batch_size=global_batch)
     platform_defaults.resolve(c, platform)
     return Config(c)
+
+
+def _check_expert_sharding(c: dict[str, Any], shape: dict[str, int]) -> None:
+    """The experts run under shard_map, which splits evenly or not at all."""
+    rules = c["logical_axis_rules"]
+    experts, embed, mlp = spec_for(rules, ("experts", "embed", "moe_mlp"))
+    for key, size, axes in (("num_experts", c["num_experts"], experts), ("base_emb_dim", c["base_emb_dim"], embed),
+                            ("base_moe_mlp_dim", c["moe_mlp_dim"], mlp)):
+        shards = math.prod(shape[a] for a in axes)
+        if size % shards:
+            raise ConfigError(key, f"{size} is not divisible by the {' x '.join(axes)} axes ({shards}) the expert "
+                              f"weights are split over")
+    if math.prod(shape[a] for a in experts) > 1 and not set(experts) <= set(mesh_axes_for(rules, "batch")):
+        raise ConfigError("logical_axis_rules", "the mesh axes of `experts` must also split `batch` (tokens "
+                          "travel to their experts' devices)")
+
+
+def spec_for(rules: list, names: tuple[str, ...]) -> list[list[str]]:
+    """The mesh axes of each dimension of an array with logical `names`, as flax assigns them: rules in
+    order, each used only where its mesh axes are all still free."""
+    result: list[list[str] | None] = [None] * len(names)
+    for name, target in rules:
+        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
+        if name in names and result[names.index(name)] is None and not any(
+                a in used for used in result if used for a in axes):
+            result[names.index(name)] = axes
+    return [r or [] for r in result]
 
 
 def mesh_axes_for(rules: list, logical: str) -> list[str]:

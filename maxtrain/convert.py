@@ -1,5 +1,6 @@
 """HuggingFace <-> maxtrain parameter checkpoints for the Llama family (Llama, Mistral without sliding
-window, Qwen2); the HF layouts and config mapping are in maxtrain.hf_format.
+window, Qwen2) and its mixtures of experts (Mixtral, Qwen3-MoE); the HF layouts and config mapping are in
+maxtrain.hf_format.
 
     python -m maxtrain.convert hf_to_maxtrain --hf_dir DIR --out DIR [--config x.yml] [key=value ...]
     python -m maxtrain.convert maxtrain_to_hf --checkpoint DIR --out DIR [--dtype bfloat16]
@@ -8,10 +9,10 @@ Beyond the weights: import keeps the HF config, tokenizer and generation files u
 the written maxtrain.yml at the tokenizer; export takes them back (from an imported directory, or from the
 one a training run started from, or --hf_source), so token ids and context length survive the round trip.
 
-Safety and memory: safetensors only (never pickle). Import reads tensors one at a time from memory maps
-into the single output copy; export restores one parameter (or one unrolled layer) at a time and writes
-one shard at a time. Everything is checked before anything is written, and the output appears under its
-final name only when complete.
+Safety and memory: safetensors only (never pickle). Import reads tensors one at a time (one expert at a
+time) from memory maps into the single output copy; export restores one parameter (or one unrolled layer)
+at a time and writes one shard at a time. Everything is checked before anything is written, and the
+output appears under its final name only when complete.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -32,8 +34,21 @@ import yaml
 
 from maxtrain import checkpoint as ckpt_lib
 from maxtrain import config as config_lib, errors
-from maxtrain.hf_format import (HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for, layer_name,
-                                model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
+from maxtrain.hf_format import (FUSED_EXPERTS_NAME, HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for,
+                                hf_kind, hf_names, model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
+from maxtrain.model import ModelArgs
+
+
+def layer_stacks(m) -> list[tuple[str, list[int]]]:
+    """(name of the scanned stack, the layers in it) as the model lays them out (ModelArgs.stacks) for model
+    keys `m`: `layers`, or an MoE model's `moe_layers`."""
+    args = SimpleNamespace(num_experts=m["num_experts"], layers=m["base_num_decoder_layers"],
+                           first_dense_layers=m["first_num_dense_layers"])
+    stacks, first = [], 0
+    for name, count, _ in ModelArgs.stacks(args):
+        stacks.append((name, list(range(first, first + count))))
+        first += count
+    return stacks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,16 +67,16 @@ def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overri
     base = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides])
     if config_path:  # the named config must describe this very model
         for key, value in hf_keys.items():
-            if base[key] != value:
+            if base[key] != value and key != "load_balance_loss_weight":  # a training setting
                 raise ConvertError(f"{key}: {config_path} says {base[key]!r}, {hf_path}/config.json implies {value!r}")
     c = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides,
                          *(f"{k}={_as_override(v)}" for k, v in hf_keys.items())])
     tokenizer = tokenizer_settings(hf_path, hf, out_path / "hf")
 
     reader = SafetensorsDir(hf_path)
-    whole, layer = tensor_table(hf_keys)
+    whole, layer = tensor_table(hf_keys, fused_experts=c.num_experts > 1 and FUSED_EXPERTS_NAME in reader.shapes)
     expected = {t.hf_name: t.hf_shape for t in whole}
-    expected |= {layer_name(i, t): t.hf_shape for i in range(c.base_num_decoder_layers) for t in layer}
+    expected |= {name: t.hf_shape for i in range(c.base_num_decoder_layers) for t in layer for name in hf_names(t, i)}
     for name, shape in expected.items():
         if name not in reader.shapes:
             raise ConvertError(f"{name}: missing from {hf_path}")
@@ -81,7 +96,7 @@ def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overri
         for name in HF_SIDE_FILES:
             if (hf_path / name).is_file():
                 shutil.copy(hf_path / name, tmp / "hf" / name)
-        settings = {k: c[k] for k in config_lib.MODEL_KEYS} | {"scan_layers": c.scan_layers,
+        settings = {k: c[k] for k in config_lib.PRESET_KEYS} | {"scan_layers": c.scan_layers,
                                                                "weight_dtype": c.weight_dtype} | tokenizer
         if config_path:
             settings = {"base_config": str(Path(config_path).absolute())} | settings
@@ -106,29 +121,34 @@ def read_hf_params(reader: SafetensorsDir, c: config_lib.Config, whole: list[Ten
     (which Orbax writes without another host copy): the peak is the model once, in weight_dtype."""
     dtype = jax.numpy.dtype(c.weight_dtype)
     cpu = jax.local_devices(backend="cpu")[0]
-    n_layers = c.base_num_decoder_layers
 
-    def load(t: Tensor, names: list[str], stack: bool):
-        """One parameter from its HF tensor, or from one per layer stacked on a leading `layers` axis."""
-        first = t.to_maxtrain(reader.get(names[0]))
-        out = _host_array((len(names), *first.shape) if stack else first.shape, dtype)
-        if stack:  # layer by layer into the stacked array
-            for i, name in enumerate(names):
-                out[i] = first if i == 0 else t.to_maxtrain(reader.get(name))
-        else:
-            out[...] = first
+    def load(t: Tensor, layers: list[int | None], stack: bool):
+        """One parameter from its HF tensor (or one per expert, stacked on the experts axis), or from those
+        of several layers stacked on a leading `layers` axis."""
+        names = [hf_names(t, i) for i in layers]
+        first = t.to_maxtrain(reader.get(names[0][0]))
+        one = (t.experts, *first.shape) if t.experts else first.shape
+        out = _host_array((len(names), *one) if stack else one, dtype)
+        for i, layer_names in enumerate(names):  # tensor by tensor into their place
+            dst = out[i] if stack else out
+            for e, name in enumerate(layer_names):
+                x = first if (i, e) == (0, 0) else t.to_maxtrain(reader.get(name))
+                if t.experts:
+                    dst[e] = x
+                else:
+                    dst[...] = x
         return jax.device_put(out, cpu)  # aliases `out`: no copy
 
     params: dict[str, Any] = {}
     for t in whole:
-        _put(params, t.path, load(t, [t.hf_name], stack=False))
+        _put(params, t.path, load(t, [None], stack=False))
     for t in layer:
-        names = [layer_name(i, t) for i in range(n_layers)]
-        if c.scan_layers:
-            _put(params, ("layers", *t.path), load(t, names, stack=True))
-        else:
-            for i, name in enumerate(names):
-                _put(params, (f"layers_{i}", *t.path), load(t, [name], stack=False))
+        for stack, layers in layer_stacks(c):
+            if c.scan_layers:
+                _put(params, (stack, *t.path), load(t, layers, stack=True))
+            else:
+                for i in layers:
+                    _put(params, (f"layers_{i}", *t.path), load(t, [i], stack=False))
     return params
 
 
@@ -156,7 +176,10 @@ class CheckpointParams:
         import orbax.checkpoint as ocp
         self._ocp = ocp
         self.step_dir = ckpt_lib.step_directory(checkpoint, "--checkpoint")
-        self.signature = ckpt_lib.read_model(self.step_dir, "--checkpoint")
+        saved = ckpt_lib.read_model(self.step_dir, "--checkpoint")
+        # Keys added since the checkpoint was written had their default (as checkpoint.check_model assumes).
+        defaults = config_lib.defaults()
+        self.signature = {k: defaults[k] for k in (*config_lib.MODEL_KEYS, "load_balance_loss_weight")} | saved
         missing = [k for k in (*config_lib.MODEL_KEYS, "scan_layers") if k not in self.signature]
         if missing:
             raise ConvertError(f"{checkpoint}: model description lacks {', '.join(missing)} (older maxtrain?)")
@@ -204,32 +227,37 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
     if m["base_emb_dim"] % m["base_num_query_heads"]:  # transformers' configs refuse this
         raise ConvertError(f"base_emb_dim={m['base_emb_dim']} is not divisible by base_num_query_heads="
                            f"{m['base_num_query_heads']}: transformers cannot load such a Llama")
+    hf_kind(m)  # refuses what no supported HF model expresses
     source_dir = Path(hf_source) if hf_source else find_hf_source(ckpt.step_dir)
     source = read_json(source_dir / "config.json") if source_dir else None
     if source:
         theirs = model_keys_from_hf(source)
-        differ = [k for k, v in theirs.items() if k in m and m[k] != v]
+        # The balancing loss weight is a training setting: the checkpoint's goes out as router_aux_loss_coef.
+        differ = [k for k, v in theirs.items() if k in m and m[k] != v and k != "load_balance_loss_weight"]
         if differ:
             raise ConvertError(f"--hf_source {source_dir}: {differ[0]} differs (HF config {theirs[differ[0]]!r}, "
                                f"checkpoint {m[differ[0]]!r})")
     dtype = dtype or np.dtype(ckpt.metadata["embedding"].dtype).name
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     whole, layer = tensor_table(m)
-    n_layers = m["base_num_decoder_layers"]
+
+    def split(t: Tensor, i: int, x):  # (HF name, HF array) of a layer's parameter: one, or one per expert
+        return zip(hf_names(t, i), (t.to_hf(x[e]) for e in range(t.experts)) if t.experts else [t.to_hf(x)])
 
     def tensors():  # (HF name, HF array), one at a time
         for t in whole:
             yield t.hf_name, t.to_hf(ckpt.read(*t.path))
-        if m["scan_layers"]:
-            for t in layer:
-                stacked = ckpt.read("layers", *t.path)
-                for i in range(n_layers):
-                    yield layer_name(i, t), t.to_hf(stacked[i])
-        else:
-            for i in range(n_layers):
-                params_i = ckpt.read(f"layers_{i}")
+        for stack, layers in layer_stacks(m):
+            if m["scan_layers"]:
                 for t in layer:
-                    yield layer_name(i, t), t.to_hf(_get(params_i, t.path))
+                    stacked = ckpt.read(stack, *t.path)
+                    for j, i in enumerate(layers):
+                        yield from split(t, i, stacked[j])
+            else:
+                for i in layers:
+                    params_i = ckpt.read(f"layers_{i}")
+                    for t in layer:
+                        yield from split(t, i, _get(params_i, t.path))
 
     from safetensors.numpy import save_file
     with _staged(out_path) as tmp:

@@ -1,6 +1,7 @@
 """The HuggingFace side of conversion: how a Llama-family checkpoint is laid out (tensor names, shapes and
 their maxtrain counterparts), what its config.json means in maxtrain's model keys and back, a safetensors
-reader, and the tokenizer settings that go with it. maxtrain.convert does the conversions.
+reader, and the tokenizer settings that go with it. maxtrain.convert does the conversions. Dense: Llama,
+Mistral, Qwen2; mixture of experts: Mixtral and Qwen3-MoE.
 
 Layouts. torch's Linear stores [out, in]; maxtrain stores [in, out] with heads split out:
 q_proj [H*K, D] -> wq [D, H, K]; k_proj, v_proj [N*K, D] -> wk, wv [D, N, K]; o_proj [D, H*K] -> wo [H, K, D];
@@ -10,6 +11,14 @@ Meta's interleaved-pair originals had their q/k rows permuted to suit it. maxtra
 half-split convention, so q/k copy across unpermuted (a checkpoint in Meta's own layout would need that
 permutation first: convert it to HF with transformers' script). RoPE types: default, and llama3 (Llama
 3.1's frequency scaling, maxtrain's rope_scaling_* keys).
+
+Experts. Files (what save_pretrained writes, transformers 5 included, and the Hub's checkpoints) hold one
+tensor per expert: Mixtral block_sparse_moe.experts.<e>.w1 / w3 [F, D] (gate, up) and w2 [D, F] (down),
+router block_sparse_moe.gate [E, D]; Qwen3-MoE mlp.experts.<e>.gate_proj / up_proj / down_proj, router
+mlp.gate. maxtrain stacks them: router [D, E], wi_gate, wi_up [E, D, F], wo [E, F, D]. transformers 5 fuses
+them in memory (mlp.experts.gate_up_proj [E, 2F, D], gate rows first; mlp.experts.down_proj [E, D, F];
+router mlp.gate, Mixtral's too) and loads files in that layout as well: import reads both, export writes
+the per-expert one. Routing is softmax, top-k, renormalised (Mixtral always, Qwen3-MoE per norm_topk_prob).
 """
 
 from __future__ import annotations
@@ -26,7 +35,11 @@ import numpy as np
 from maxtrain import tokenizer as tokenizer_lib
 from maxtrain.errors import UserError
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+DENSE = ("llama", "mistral", "qwen2")
+MOE = ("mixtral", "qwen3_moe")
+SUPPORTED = DENSE + MOE
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class ConvertError(UserError, RuntimeError):
@@ -37,14 +50,17 @@ class ConvertError(UserError, RuntimeError):
 @dataclass(frozen=True)
 class Tensor:
     path: tuple[str, ...]  # maxtrain parameter path (inside one layer for per-layer tensors)
-    hf_name: str           # HF name (after "model.layers.<i>." for per-layer tensors)
-    hf_shape: tuple[int, ...]
-    to_maxtrain: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    hf_name: str           # HF name (after "model.layers.<i>." for per-layer tensors); "{e}" marks the expert
+    hf_shape: tuple[int, ...]  # with experts: one expert's
+    to_maxtrain: Callable[[np.ndarray], np.ndarray]  # with experts: one expert's
+    to_hf: Callable[[np.ndarray], np.ndarray] | None  # None: read only (transformers' fused expert layout)
+    experts: int = 0       # > 0: one HF tensor per expert, stacked on maxtrain's leading experts axis
 
 
-def tensor_table(m: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
-    """(whole-model tensors, per-layer tensors) for maxtrain model keys `m`."""
+def tensor_table(m: dict[str, Any], fused_experts: bool = False) -> tuple[list[Tensor], list[Tensor]]:
+    """(whole-model tensors, per-layer tensors) for maxtrain model keys `m`. An MoE model's experts in the
+    per-expert file layout (Mixtral's names, or Qwen3-MoE's with q/k norms), or with `fused_experts` in
+    transformers' fused layout (import only)."""
     d, h, n, k, f, v = (m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"],
                         m["base_mlp_dim"], m["vocab_size"])
     same = lambda x: x  # noqa: E731
@@ -62,12 +78,18 @@ def tensor_table(m: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
         Tensor(("attention", "wv"), "self_attn.v_proj.weight", (n * k, d), *heads_out(n)),
         Tensor(("attention", "wo"), "self_attn.o_proj.weight", (d, h * k),
                lambda x: x.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T),
-        Tensor(("mlp", "wi_gate"), "mlp.gate_proj.weight", (f, d), T, T),
-        Tensor(("mlp", "wi_up"), "mlp.up_proj.weight", (f, d), T, T),
-        Tensor(("mlp", "wo"), "mlp.down_proj.weight", (d, f), T, T),
         Tensor(("attention_norm", "scale"), "input_layernorm.weight", (d,), same, same),
         Tensor(("mlp_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same),
     ]
+    if m["num_experts"] == 1:
+        layer += [Tensor(("mlp", "wi_gate"), "mlp.gate_proj.weight", (f, d), T, T),
+                  Tensor(("mlp", "wi_up"), "mlp.up_proj.weight", (f, d), T, T),
+                  Tensor(("mlp", "wo"), "mlp.down_proj.weight", (d, f), T, T)]
+    else:
+        layer += _expert_tensors(m, fused_experts)
+    if m["use_qk_norm"]:  # Qwen3: RMSNorm over each head's q and k
+        layer += [Tensor(("attention", "q_norm", "scale"), "self_attn.q_norm.weight", (k,), same, same),
+                  Tensor(("attention", "k_norm", "scale"), "self_attn.k_norm.weight", (k,), same, same)]
     if m["qkv_bias"]:
         layer += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
                   Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
@@ -79,8 +101,43 @@ def tensor_table(m: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
     return whole, layer
 
 
+def _expert_tensors(m: dict[str, Any], fused: bool) -> list[Tensor]:
+    d, e, f = m["base_emb_dim"], m["num_experts"], moe_width(m)
+    T = lambda x: x.T  # noqa: E731
+    swap = lambda x: x.transpose(0, 2, 1)  # noqa: E731  [E, out, in] <-> [E, in, out]
+    if fused:  # transformers 5's in-memory layout, which it also loads from files
+        return [Tensor(("mlp", "router"), "mlp.gate.weight", (e, d), T, T),
+                Tensor(("mlp", "wi_gate"), "mlp.experts.gate_up_proj", (e, 2 * f, d), lambda x: swap(x[:, :f]), None),
+                Tensor(("mlp", "wi_up"), "mlp.experts.gate_up_proj", (e, 2 * f, d), lambda x: swap(x[:, f:]), None),
+                Tensor(("mlp", "wo"), "mlp.experts.down_proj", (e, d, f), swap, None)]
+    if m["use_qk_norm"]:  # Qwen3-MoE
+        router, gate, up, down = ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+                                  "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
+    else:  # Mixtral
+        router, gate, up, down = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                                  "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
+    return [Tensor(("mlp", "router"), router, (e, d), T, T),
+            Tensor(("mlp", "wi_gate"), gate, (f, d), T, T, experts=e),
+            Tensor(("mlp", "wi_up"), up, (f, d), T, T, experts=e),
+            Tensor(("mlp", "wo"), down, (d, f), T, T, experts=e)]
+
+
+FUSED_EXPERTS_NAME = "model.layers.0.mlp.experts.gate_up_proj"  # present only in the fused layout
+
+
+def moe_width(m: dict[str, Any]) -> int:
+    """Each expert's SwiGLU width (base_moe_mlp_dim; -1 = base_mlp_dim)."""
+    return m["base_mlp_dim"] if m["base_moe_mlp_dim"] == -1 else m["base_moe_mlp_dim"]
+
+
 def layer_name(i: int, t: Tensor) -> str:
     return f"model.layers.{i}.{t.hf_name}"
+
+
+def hf_names(t: Tensor, layer: int | None = None) -> list[str]:
+    """The HF tensors behind `t` (of layer `layer` for a per-layer one): one, or one per expert in order."""
+    name = t.hf_name if layer is None else layer_name(layer, t)
+    return [name.format(e=e) for e in range(t.experts)] if t.experts else [name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,9 +153,19 @@ def _number(hf: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+def _positive_int(hf: dict[str, Any], key: str) -> int:
+    value = hf.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConvertError(f"config.json: {key} missing or not a positive integer")
+    return value
+
+
 def _sliding_window(hf: dict[str, Any]) -> int | None:
-    """The window of any layer that slides: Mistral's sliding_window; Qwen2's only where use_sliding_window
-    is set and a layer (from max_window_layers on, or per layer_types) actually uses it."""
+    """The window of any layer that slides: Mistral's and Mixtral's sliding_window; Qwen3-MoE's where
+    use_sliding_window is set; Qwen2's only where use_sliding_window is set and a layer (from
+    max_window_layers on, or per layer_types) actually uses it."""
+    if hf.get("model_type") == "qwen3_moe":  # transformers 5 applies it to every layer, older ones to some
+        return hf.get("sliding_window") if hf.get("use_sliding_window") else None
     if hf.get("model_type") == "qwen2":
         if not hf.get("use_sliding_window"):
             return None
@@ -112,9 +179,11 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
 def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """maxtrain model keys for an HF config.json, or a ConvertError naming what is unsupported."""
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] <= 0:
-            raise ConvertError(f"config.json: {key} missing or not a positive integer")
+        _positive_int(hf, key)
     kind = hf.get("model_type")
+    if kind == "qwen2_moe":
+        raise ConvertError("config.json: model_type 'qwen2_moe' is not supported (its shared expert has a sigmoid "
+                           f"gate, which maxtrain lacks; supported: {', '.join(SUPPORTED)})")
     if kind not in SUPPORTED:
         raise ConvertError(f"config.json: model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
@@ -157,23 +226,87 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": kind == "qwen2",
         **scaling,
+        **(_moe_keys(hf, kind) if kind in MOE else {"use_qk_norm": False, "num_experts": 1}),
     }
+
+
+def _moe_keys(hf: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The mixture-of-experts keys of a Mixtral or Qwen3-MoE config.json (router_jitter_noise and
+    output_router_logits concern HF's training and outputs only, and are ignored)."""
+    # transformers 5 writes num_local_experts for both; Qwen3-MoE files from the Hub say num_experts.
+    experts_key = "num_local_experts" if kind == "mixtral" or "num_local_experts" in hf else "num_experts"
+    experts, top_k = _positive_int(hf, experts_key), _positive_int(hf, "num_experts_per_tok")
+    if experts < 2:
+        raise ConvertError(f"config.json: {experts_key}={experts} is not supported (a mixture needs 2 experts or more)")
+    if top_k > experts:
+        raise ConvertError(f"config.json: num_experts_per_tok={top_k} exceeds {experts_key}={experts}")
+    keys = {"num_experts": experts, "num_experts_per_tok": top_k, "shared_experts": 0, "first_num_dense_layers": 0,
+            "routed_score_func": "softmax", "routed_bias": False, "routed_scaling_factor": 1.0,
+            "load_balance_loss_weight": _number(hf, "router_aux_loss_coef", 0.001)}
+    if kind == "mixtral":  # every layer sparse; softmax over all experts, top-k, renormalised
+        return keys | {"use_qk_norm": False, "base_moe_mlp_dim": -1, "norm_topk_prob": True}
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise ConvertError(f"config.json: decoder_sparse_step={step!r} is not supported (maxtrain's Qwen3-MoE "
+                           f"layers are all sparse: 1)")
+    if hf.get("mlp_only_layers"):
+        raise ConvertError(f"config.json: mlp_only_layers={hf['mlp_only_layers']!r} is not supported (maxtrain's "
+                           f"Qwen3-MoE layers are all sparse: [])")
+    norm_topk = hf.get("norm_topk_prob", False)  # transformers' default
+    if not isinstance(norm_topk, bool):
+        raise ConvertError(f"config.json: norm_topk_prob={norm_topk!r} is not true or false")
+    return keys | {"use_qk_norm": True, "base_moe_mlp_dim": _positive_int(hf, "moe_intermediate_size"),
+                   "norm_topk_prob": norm_topk}
+
+
+def hf_kind(m: dict[str, Any]) -> str:
+    """The HF model_type that export writes for maxtrain model keys `m`, or a ConvertError naming the key
+    that none of them can express."""
+    if m["num_experts"] == 1:
+        if m["use_qk_norm"]:
+            raise ConvertError("use_qk_norm=true: a dense model with q/k norms (Qwen3) has no HF export here "
+                               "(supported: Llama, Qwen2, Mixtral, Qwen3-MoE)")
+        return "qwen2" if m["qkv_bias"] else "llama"
+    for key, plain in (("shared_experts", 0), ("first_num_dense_layers", 0), ("routed_score_func", "softmax"),
+                       ("routed_bias", False), ("routed_scaling_factor", 1.0), ("qkv_bias", False)):
+        if m[key] != plain:
+            raise ConvertError(f"{key}={m[key]!r}: neither Mixtral nor Qwen3-MoE has this (HF export needs "
+                               f"{plain!r})")
+    if m["use_qk_norm"]:
+        return "qwen3_moe"
+    if not m["norm_topk_prob"]:
+        raise ConvertError("norm_topk_prob=false: Mixtral always renormalises its top-k weights (Qwen3-MoE, "
+                           "which need not, has q/k norms: use_qk_norm=true)")
+    return "mixtral"
 
 
 def hf_config_for(m: dict[str, Any], dtype: str, source: dict[str, Any] | None, max_positions: int | None):
     """config.json for transformers. With the HF config the model was imported from (`source`), its other
-    settings (model_type, token ids, context length) carry over; without one: Qwen2 when the model has q/k/v
-    biases, else Llama, with no special token ids and a 4096 context."""
-    qwen = m["qkv_bias"]
+    settings (model_type, token ids, context length) carry over; without one, per hf_kind: a mixture of
+    experts is Qwen3-MoE with q/k norms, else Mixtral; a dense model Qwen2 with q/k/v biases, else Llama;
+    with no special token ids and a 4096 context."""
+    kind = hf_kind(m)
     if source:
         hf = dict(source)
     else:
-        hf = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-              "model_type": "qwen2" if qwen else "llama", "hidden_act": "silu", "max_position_embeddings": 4096,
-              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-        hf |= {"use_sliding_window": False, "sliding_window": None} if qwen else {"attention_bias": False,
-                                                                                   "mlp_bias": False}
-    hf |= {"vocab_size": m["vocab_size"], "hidden_size": m["base_emb_dim"], "intermediate_size": m["base_mlp_dim"],
+        hf = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "hidden_act": "silu",
+              "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+        hf |= {"qwen2": {"use_sliding_window": False, "sliding_window": None},
+               "llama": {"attention_bias": False, "mlp_bias": False},
+               "mixtral": {"sliding_window": None},
+               "qwen3_moe": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                             "decoder_sparse_step": 1, "mlp_only_layers": []}}[kind]
+    if kind == "mixtral":
+        hf["num_local_experts"] = m["num_experts"]
+    elif kind == "qwen3_moe":  # transformers 5 reads either name (and writes the second); older ones the first
+        hf |= {name: m["num_experts"] for name in ("num_experts", "num_local_experts")
+               if name == "num_experts" or name in hf}
+        hf |= {"moe_intermediate_size": moe_width(m), "norm_topk_prob": m["norm_topk_prob"]}
+    if kind in MOE:
+        hf |= {"num_experts_per_tok": m["num_experts_per_tok"], "router_aux_loss_coef": m["load_balance_loss_weight"]}
+    hf |= {"vocab_size": m["vocab_size"], "hidden_size": m["base_emb_dim"],
+           # Mixtral's experts are intermediate_size wide (its base_mlp_dim, if another, shapes nothing)
+           "intermediate_size": moe_width(m) if kind == "mixtral" else m["base_mlp_dim"],
            "num_hidden_layers": m["base_num_decoder_layers"], "num_attention_heads": m["base_num_query_heads"],
            "num_key_value_heads": m["base_num_kv_heads"], "head_dim": m["head_dim"],
            "rms_norm_eps": m["normalization_layer_epsilon"], "tie_word_embeddings": m["logits_via_embedding"],

@@ -24,11 +24,17 @@ PEAK_TFLOPS = (
 
 def forward_flops(c: Config, tokens: int, causal: bool = True) -> float:
     """Matmul FLOPs of one forward pass over `tokens` tokens of length max_target_length (MaxText's
-    formula: 2 x multiply-adds of every projection, plus attention scores and context)."""
+    formula: 2 x multiply-adds of every projection, plus attention scores and context). An MoE layer
+    counts the experts a token uses (top-k and shared) and its router, as MaxText does."""
     d, h, kv, hd, f = c.base_emb_dim, c.base_num_query_heads, c.base_num_kv_heads, c.head_dim, c.base_mlp_dim
-    per_token_layer = 2 * d * hd * (h + 2 * kv) + 2 * d * hd * h + 2 * 3 * d * f
+    projections = 2 * d * hd * (h + 2 * kv) + 2 * d * hd * h
     attention = 4 * c.max_target_length * h * hd * (0.5 if causal else 1.0)  # QK^T and PV, per token
-    per_token = c.base_num_decoder_layers * (per_token_layer + attention) + 2 * d * c.vocab_size
+    dense, moe = c.base_num_decoder_layers, 0
+    if c.num_experts > 1:
+        dense, moe = c.first_num_dense_layers, c.base_num_decoder_layers - c.first_num_dense_layers
+    experts = 2 * 3 * d * c.moe_mlp_dim * (c.num_experts_per_tok + c.shared_experts) + 2 * d * c.num_experts
+    per_token = (dense * (projections + attention + 2 * 3 * d * f) + moe * (projections + attention + experts)
+                 + 2 * d * c.vocab_size)
     return float(per_token * tokens)
 
 
@@ -103,13 +109,20 @@ class MetricsWriter:
         if not self.active:
             return
         # Strict JSON: a non-finite value is written as null (the step's nonfinite flag says why).
-        row = {f"{prefix}/{k}": v if math.isfinite(v) else None for k, v in scalars.items()}
+        # expert_load is a list per MoE layer of each expert's share: a list in JSON, a scalar per expert
+        # (expert_load/layer_<i>/expert_<e>) in tensorboard.
+        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
+        row = {f"{prefix}/{k}": finite(v) if not isinstance(v, list) else [[finite(x) for x in layer] for layer in v]
+               for k, v in scalars.items()}
         self._jsonl.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._tb:
             for k, v in scalars.items():
-                if math.isfinite(v):  # a gap in the curve; the nonfinite flag is plotted
-                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
+                values = {k: v} if not isinstance(v, list) else {
+                    f"{k}/layer_{i}/expert_{e}": x for i, layer in enumerate(v) for e, x in enumerate(layer)}
+                for name, x in values.items():
+                    if math.isfinite(x):  # a gap in the curve; the nonfinite flag is plotted
+                        self._tb.add_scalar(f"{prefix}/{name}", x, step)
 
     def close(self) -> None:
         if self._jsonl:
@@ -140,4 +153,14 @@ def format_line(step: int, m: dict[str, float]) -> str:
     return (f"step {step:>6d} | loss {m['loss']:.4f} | lr {m['learning_rate']:.3e} | "
             f"grad_norm {m['grad_norm']:.3f} | {m['step_seconds']:.3f} s/step | "
             f"{m['tokens_per_second']:,.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev | "
-            f"MFU {100 * m['mfu']:.1f}%" + (" | non-finite: update skipped" if m.get("nonfinite") else ""))
+            f"MFU {100 * m['mfu']:.1f}%" + moe_summary(m) + (" | non-finite: update skipped" if m.get("nonfinite") else ""))
+
+
+def moe_summary(m: dict) -> str:
+    """An MoE's balance at a glance: the busiest expert's load over a fair share (1.00 = balanced), over all
+    MoE layers, and the balancing loss."""
+    if "expert_load" not in m:
+        return ""
+    busiest = max(max(layer) * len(layer) for layer in m["expert_load"])
+    dropped = f" | dropped {100 * m['moe_dropped']:.1f}%" if "moe_dropped" in m else ""
+    return f" | max expert load {busiest:.2f}x | lb_loss {m['moe_lb_loss']:.3f}{dropped}"

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtrain import attention, remat
+from maxtrain import attention, moe, remat
 
 constrain = nn.with_logical_constraint
 
@@ -42,6 +42,19 @@ class ModelArgs:
     mlp_chunk: int  # 0 = the whole sequence at once
     attention: str
     logits_dot_in_fp32: bool
+    qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    # Mixture of experts (maxtrain.moe); num_experts 1 = a dense model
+    num_experts: int
+    experts_per_token: int
+    moe_mlp: int
+    shared_experts: int
+    first_dense_layers: int
+    capacity_factor: float
+    routed_score_func: str
+    norm_topk_prob: bool
+    routed_bias: bool
+    routed_scaling_factor: float
+    moe_grouped_matmul: str
 
     @classmethod
     def from_config(cls, c) -> "ModelArgs":
@@ -54,8 +67,20 @@ class ModelArgs:
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
             qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
             scan_layers=c.scan_layers, remat_policy=c.remat_policy, mlp_chunk=c.mlp_chunk_size,
-            attention=c.attention,
-            logits_dot_in_fp32=c.logits_dot_in_fp32)
+            attention=c.attention, logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
+            num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_mlp=c.moe_mlp_dim,
+            shared_experts=c.shared_experts, first_dense_layers=c.first_num_dense_layers,
+            capacity_factor=c.capacity_factor, routed_score_func=c.routed_score_func,
+            norm_topk_prob=c.norm_topk_prob, routed_bias=c.routed_bias,
+            routed_scaling_factor=c.routed_scaling_factor, moe_grouped_matmul=c.moe_grouped_matmul)
+
+    def stacks(self) -> list[tuple[str, int, bool]]:
+        """(name, layers, is MoE) of each layer stack: `layers` for a dense model; an MoE model's leading
+        dense layers (`dense_layers`, if any) and then its `moe_layers`. Unrolled, layer i is `layers_<i>`."""
+        if self.num_experts == 1:
+            return [("layers", self.layers, False)]
+        dense = [("dense_layers", self.first_dense_layers, False)] if self.first_dense_layers else []
+        return dense + [("moe_layers", self.layers - self.first_dense_layers, True)]
 
 
 def dense_init(fan_in_axes: tuple[int, ...]):
@@ -78,11 +103,12 @@ def bias(module: nn.Module, name: str, shape, axes):
 
 class RMSNorm(nn.Module):
     args: ModelArgs
+    dim: int | None = None  # default: the model width
 
     @nn.compact
     def __call__(self, x_BxLxD):
         scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                             (self.args.embed,), self.args.weight_dtype)
+                             (self.dim or self.args.embed,), self.args.weight_dtype)
         x = x_BxLxD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.args.norm_eps)
         return (x * scale_D.astype(jnp.float32)).astype(self.args.dtype)
@@ -130,6 +156,9 @@ class Attention(nn.Module):
             q = q + bias(self, "bq", (a.heads, a.head_dim), ("heads", "head_dim"))
             k = k + bias(self, "bk", (a.kv_heads, a.head_dim), ("kv_heads", "head_dim"))
             v = v + bias(self, "bv", (a.kv_heads, a.head_dim), ("kv_heads", "head_dim"))
+        if a.qk_norm:  # Qwen3
+            q = RMSNorm(a, a.head_dim, name="q_norm")(q)
+            k = RMSNorm(a, a.head_dim, name="k_norm")(k)
         q, k, v = (checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY),
                    checkpoint_name(v, remat.VALUE))
         q_BxLxHxK = constrain(rope(q, positions_BxL, a.rope_theta, a.rope_scaling),
@@ -168,13 +197,15 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 class MLP(nn.Module):
     args: ModelArgs
+    width: int | None = None  # default: the model's mlp width
 
     @nn.compact
     def __call__(self, x_BxLxD):
         a = self.args
-        gate_DxF = dense_weight(self, "wi_gate", (a.embed, a.mlp), ("embed", "mlp"))
-        up_DxF = dense_weight(self, "wi_up", (a.embed, a.mlp), ("embed", "mlp"))
-        down_FxD = dense_weight(self, "wo", (a.mlp, a.embed), ("mlp", "embed"))
+        f = self.width or a.mlp
+        gate_DxF = dense_weight(self, "wi_gate", (a.embed, f), ("embed", "mlp"))
+        up_DxF = dense_weight(self, "wi_up", (a.embed, f), ("embed", "mlp"))
+        down_FxD = dense_weight(self, "wo", (f, a.embed), ("mlp", "embed"))
 
         def mlp(x_BxCxD):
             gate_BxCxF = checkpoint_name(matmul(x_BxCxD, gate_DxF), remat.MLP_IN)
@@ -194,6 +225,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     args: ModelArgs
+    moe: bool = False  # the MLP is a mixture of experts
 
     @nn.compact
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
@@ -202,7 +234,8 @@ class DecoderLayer(nn.Module):
         h = Attention(self.args, name="attention")(RMSNorm(self.args, name="attention_norm")(x_BxLxD),
                                                    positions_BxL, segment_ids_BxL)
         x_BxLxD = constrain(x_BxLxD + h, axes)
-        h = MLP(self.args, name="mlp")(RMSNorm(self.args, name="mlp_norm")(x_BxLxD))
+        mlp = moe.MoEBlock(self.args, name="mlp") if self.moe else MLP(self.args, name="mlp")
+        h = mlp(RMSNorm(self.args, name="mlp_norm")(x_BxLxD))
         return constrain(x_BxLxD + h, axes), None  # (carry, per-layer output) for nn.scan
 
 
@@ -228,14 +261,17 @@ class Decoder(nn.Module):
         policy = remat.POLICIES[a.remat_policy]
         if a.remat_policy != "none":
             layer = nn.remat(layer, policy=policy, prevent_cse=not a.scan_layers)
-        if a.scan_layers:
-            stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=(nn.broadcast, nn.broadcast), length=a.layers,
-                            metadata_params={nn.PARTITION_NAME: "layers"})
-            x_BxLxD, _ = stack(a, name="layers")(x_BxLxD, positions_BxL, segment_ids_BxL)
-        else:
-            for i in range(a.layers):
-                x_BxLxD, _ = layer(a, name=f"layers_{i}")(x_BxLxD, positions_BxL, segment_ids_BxL)
+        first = 0
+        for name, count, is_moe in a.stacks():
+            if a.scan_layers:  # intermediates: MoE layers record their load and auxiliary losses
+                stack = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                                in_axes=(nn.broadcast, nn.broadcast), length=count,
+                                metadata_params={nn.PARTITION_NAME: "layers"})
+                x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL)
+            else:
+                for i in range(first, first + count):
+                    x_BxLxD, _ = layer(a, is_moe, name=f"layers_{i}")(x_BxLxD, positions_BxL, segment_ids_BxL)
+            first += count
 
         x_BxLxD = RMSNorm(a, name="final_norm")(x_BxLxD)
         if a.tied_embeddings:
@@ -269,18 +305,22 @@ def merge_chunks(x_NxBxC):
     return x_NxBxC.swapaxes(0, 1).reshape(b, n * chunk, *x_NxBxC.shape[3:])
 
 
-def unstack_layers(params: dict, num_layers: int) -> dict:
-    """Scanned params ({'layers': stacked}) -> unrolled layout ({'layers_0': ..., ...})."""
-    params = dict(params)
-    stacked = params.pop("layers")
-    for i in range(num_layers):
-        params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+def unstack_layers(params: dict, args: ModelArgs) -> dict:
+    """Scanned params ({'layers': stacked}, or an MoE model's stacks) -> unrolled ({'layers_0': ...})."""
+    params, first = dict(params), 0
+    for name, count, _ in args.stacks():
+        stacked = params.pop(name)
+        for i in range(count):
+            params[f"layers_{first + i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+        first += count
     return params
 
 
-def stack_layers(params: dict, num_layers: int) -> dict:
-    """Unrolled layout -> scanned layout with a leading `layers` axis."""
-    params = dict(params)
-    layers = [params.pop(f"layers_{i}") for i in range(num_layers)]
-    params["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+def stack_layers(params: dict, args: ModelArgs) -> dict:
+    """Unrolled layout -> scanned layout: each stack with a leading `layers` axis."""
+    params, first = dict(params), 0
+    for name, count, _ in args.stacks():
+        layers = [params.pop(f"layers_{i}") for i in range(first, first + count)]
+        params[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+        first += count
     return params

@@ -14,6 +14,8 @@ def resolve(c: dict[str, Any], platform: str) -> None:
     """Fills in the auto values of a config whose mesh is resolved (config.with_devices)."""
     if c["attention"] == "auto":
         c["attention"] = attention_for(platform, c["max_target_length"])
+    if c["moe_grouped_matmul"] == "auto":  # see moe.grouped_matmul for why each
+        c["moe_grouped_matmul"] = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")
     auto_chunks(c)
 
 
@@ -35,7 +37,8 @@ def summary(c) -> str:
     """The settings the platform defaults resolved, for a run's first line."""
     chunks = "".join(f" | {name} chunk {c[key]}" for name, key in (("loss", "loss_chunk_size"),
                                                                    ("mlp", "mlp_chunk_size")) if c[key])
-    return f"{c.dtype} | attention {c.attention}{chunks}"
+    moe = f" | experts {c.moe_grouped_matmul}" if c.num_experts > 1 else ""
+    return f"{c.dtype} | attention {c.attention}{chunks}{moe}"
 
 
 def auto_chunks(c: dict[str, Any]) -> None:
@@ -44,8 +47,11 @@ def auto_chunks(c: dict[str, Any]) -> None:
         return math.prod(c["mesh_shape"][a] for a in mesh_axes_for(c["logical_axis_rules"], logical))
     rows = c["global_batch_size"] / shards("batch") / c["gradient_accumulation_steps"]
     length, itemsize = c["max_target_length"], 2 if c["dtype"] == "bfloat16" else 4
+    # an MoE's widest intermediate is [assignments (top-k per position), expert width]
+    mlp = c["base_mlp_dim"] / shards("mlp") if c["num_experts"] == 1 else max(
+        c["base_mlp_dim"] / shards("mlp"), c["num_experts_per_tok"] * c["moe_mlp_dim"] / shards("moe_mlp"))
     sizes = {"loss_chunk_size": rows * length * c["vocab_size"] / shards("vocab") * 4,
-             "mlp_chunk_size": rows * length * c["base_mlp_dim"] / shards("mlp") * itemsize}
+             "mlp_chunk_size": rows * length * mlp * itemsize}
     for key, (chunk, limit) in AUTO_CHUNKS.items():
         if c[key] == -1:
             divisor = max(d for d in range(1, min(chunk, length) + 1) if length % d == 0)

@@ -8,6 +8,7 @@ with explicit in/out shardings and donated state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain import loss, mesh as mesh_lib
+from maxtrain import loss, mesh as mesh_lib, moe
 from maxtrain.config import Config
 from maxtrain.data import BATCH_DTYPES
 from maxtrain.model import Decoder, ModelArgs
@@ -31,18 +32,32 @@ class TrainState:
     opt_state: Any
 
 
-def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0, loss_chunk_size: int = 0):
-    """Summed masked cross-entropy (+ optional z-loss) and the number of target tokens.
+def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0, loss_chunk_size: int = 0,
+            moe_weights: tuple[float, float] = (0.0, 0.0)):
+    """Summed masked cross-entropy (+ optional z-loss, + an MoE's auxiliary losses with `moe_weights`:
+    load balance, router z) and the number of target tokens.
 
-    Sums, not means, so micro-batches add up to exactly the large-batch loss; the caller divides.
+    Sums, not means, so micro-batches add up to exactly the large-batch loss; the caller divides. An
+    MoE's per-layer statistics come back in the same form: times the tokens, for the caller to divide.
     """
     inputs = (batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
     weights_BxL = batch["weights"].astype(jnp.float32)
-    x_BxLxD, out_DxV = model.apply({"params": params}, *inputs, return_hidden=True)
+    (x_BxLxD, out_DxV), recorded = model.apply({"params": params}, *inputs, return_hidden=True,
+                                               mutable=["intermediates"])
     total, ce_sum = loss.cross_entropy_loss(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
                                             loss_chunk_size or x_BxLxD.shape[1], model.args.logits_dot_in_fp32,
                                             z_loss_multiplier)
-    return total, {"loss_sum": ce_sum, "tokens": jnp.sum(weights_BxL)}
+    tokens = jnp.sum(weights_BxL)
+    aux = {"loss_sum": ce_sum, "tokens": tokens}
+    if model.args.num_experts > 1:
+        layers = recorded["intermediates"]
+        lb, z = jnp.mean(moe.collect(layers, "lb_loss")), jnp.mean(moe.collect(layers, "z_loss"))
+        total = total + tokens * (moe_weights[0] * lb + moe_weights[1] * z)
+        aux |= {"moe_lb_loss": lb * tokens, "moe_z_loss": z * tokens,
+                "moe_load": jax.tree.map(lambda x: x * tokens, layers)}
+        if model.args.capacity_factor > 0:
+            aux["moe_dropped"] = jnp.mean(moe.collect(layers, "dropped")) * tokens
+    return total, aux
 
 
 @dataclasses.dataclass
@@ -112,7 +127,8 @@ def build(c: Config, mesh) -> Trainer:
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0,
                          compiler_options=cpu_compile)
-    eval_step = jax.jit(lambda params, batch: loss_fn(params, model, batch, 0.0, c.loss_chunk_size)[1],
+    eval_step = jax.jit(lambda params, batch: {k: v for k, v in loss_fn(params, model, batch, 0.0, c.loss_chunk_size)[1]
+                                               .items() if k in ("loss_sum", "tokens")},
                         in_shardings=(param_shardings, batch_sharding), out_shardings=replicated,
                         compiler_options=cpu_compile)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -124,7 +140,9 @@ def build(c: Config, mesh) -> Trainer:
 def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
     accum = c.gradient_accumulation_steps
     schedule = learning_rate_schedule(c)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = functools.partial(jax.value_and_grad(loss_fn, has_aux=True), model=model, z_loss_multiplier=c.z_loss_multiplier,
+                                loss_chunk_size=c.loss_chunk_size,
+                                moe_weights=(c.load_balance_loss_weight, c.router_z_loss_weight))
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, *batch_sharding.spec))
 
     def micro_batches(batch):
@@ -136,28 +154,35 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
 
     def step(state: TrainState, batch: dict):
         if accum == 1:
-            (_, aux), grads = grad_fn(state.params, model, batch, c.z_loss_multiplier, c.loss_chunk_size)
+            (_, aux), grads = grad_fn(state.params, batch=batch)
         else:
             def body(carry, micro):
-                (_, aux), g = grad_fn(state.params, model, micro, c.z_loss_multiplier, c.loss_chunk_size)
+                (_, aux), g = grad_fn(state.params, batch=micro)
                 g = jax.lax.with_sharding_constraint(g, param_shardings)
                 return jax.tree.map(jnp.add, carry, (g, aux)), None
-            zeros = (jax.tree.map(jnp.zeros_like, state.params),
-                     {"loss_sum": jnp.zeros(()), "tokens": jnp.zeros(())})
+            first = jax.tree.map(lambda x: x[0], micro_batches(batch))
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda: (state.params, grad_fn(state.params, batch=first)[0][1])))
             (grads, aux), _ = jax.lax.scan(body, zeros, micro_batches(batch))
         tokens = jnp.maximum(aux["tokens"], 1.0)
         grads = jax.tree.map(lambda g: g / tokens, grads)
         loss, grad_norm = aux["loss_sum"] / tokens, optax.tree.norm(grads)
+        moe_layers = jax.tree.map(lambda x: x / tokens, aux.pop("moe_load", None))
         # The non-finite guard: a step whose loss or gradients are not finite leaves params and optimizer
         # state as they were, on device (no host sync). A cond, not a select: as fast as no guard.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def update(_):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            return optax.apply_updates(state.params, updates), opt_state
+            params = optax.apply_updates(state.params, updates)
+            if c.routed_bias:
+                params = moe.update_router_bias(params, moe_layers, c.routed_bias_update_rate)
+            return params, opt_state
         params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": aux["tokens"], "nonfinite": 1.0 - finite.astype(jnp.float32)}
+        if moe_layers is not None:  # per MoE layer, each expert's share of the routed assignments
+            metrics |= {k: v / tokens for k, v in aux.items() if k.startswith("moe_")}
+            metrics["expert_load"] = moe.collect(moe_layers, "expert_load")
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step

@@ -22,7 +22,7 @@ def shard_bytes(x: jax.ShapeDtypeStruct) -> int:
     return math.prod(shard_shape) * x.dtype.itemsize
 
 
-def param_table(trainer: Trainer) -> str:
+def param_table(trainer: Trainer, active: int | None = None) -> str:
     params = trainer.abstract_state.params
     specs = jax.tree_util.tree_leaves_with_path(
         trainer.param_logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -37,7 +37,8 @@ def param_table(trainer: Trainer) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(f"total parameters: {total:,} ({total_bytes / 2**20:,.1f} MiB of parameters per device)")
+    lines.append(f"total parameters: {total:,} ({total_bytes / 2**20:,.1f} MiB of parameters per device)"
+                 + (f"; active per token: {active:,}" if active and active != total else ""))
     return "\n".join(lines)
 
 

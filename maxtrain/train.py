@@ -57,7 +57,7 @@ def load_config(argv: list[str], devices=None) -> config_lib.Config:
 
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
-    say(summary.param_table(trainer))
+    say(summary.param_table(trainer, c.num_active_params))
     compiled = trainer.compile_train_step()
     say("train step memory per device:", summary.format_memory(summary.memory_report(compiled)))
 
@@ -166,7 +166,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
-    say(f"maxtrain: {c.num_params:,} parameters | mesh {c.mesh_shape} | global batch "
+    active = f" ({c.num_active_params:,} active)" if c.num_active_params != c.num_params else ""
+    say(f"maxtrain: {c.num_params:,} parameters{active} | mesh {c.mesh_shape} | global batch "
         f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | "
         f"{platform_defaults.summary(c)}")
     if c.dry_run:
@@ -231,7 +232,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
             """Blocks until step `step_done` finished (the next one is already queued); logs it. Returns
             None, or the non-finite policy's action for it ("skip" / "rollback"; "stop" raises)."""
             nonlocal last_time, last_step
-            m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+            m = {k: v.tolist() if v.ndim else float(v) for k, v in jax.device_get(device_metrics).items()}
             bad = m["nonfinite"] > 0
             m["nonfinite_steps"] = guard.count + bad
             history.append(m["loss"])

@@ -22,7 +22,7 @@ def error_of(argv, devices=8, slices=1):
 def test_defaults_load_and_are_frozen():
     c = config.with_devices(config.load([BASE]), 1)
     assert c.steps == 200 and c.remat_policy == "full"
-    assert c.mesh_shape == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert c.mesh_shape == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     assert c.global_batch_size == 4
     with pytest.raises(AttributeError):
         c.steps = 3

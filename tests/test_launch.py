@@ -91,9 +91,9 @@ def run_compile(*args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,mesh", [
-    (("compile_topology=v5e-4",), "{'data': 1, 'fsdp': 4, 'tensor': 1}"),
+    (("compile_topology=v5e-4",), "{'data': 1, 'fsdp': 4, 'expert': 1, 'tensor': 1}"),
     (("compile_topology=v5p-8", "compile_topology_num_slices=2", "ici_fsdp_parallelism=2",
-      "ici_tensor_parallelism=2"), "{'data': 2, 'fsdp': 2, 'tensor': 2}"),
+      "ici_tensor_parallelism=2"), "{'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 2}"),
 ], ids=["v5e-4", "v5p-8x2slices"])
 def test_compile_for_a_tpu_topology_on_cpu(args, mesh):
     proc = run_compile(*args)

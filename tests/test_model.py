@@ -52,13 +52,13 @@ def test_scan_equals_unrolled_and_layouts_round_trip(tiny_config):
     c = tiny_config()
     scanned, params, tokens = build(c)
     unrolled = Decoder(ModelArgs.from_config(c.replace(scan_layers=False)))
-    flat = unstack_layers(params, c.base_num_decoder_layers)
+    flat = unstack_layers(params, ModelArgs.from_config(c))
     assert set(flat) >= {"layers_0", "layers_1"} and "layers" not in flat
     unrolled_shapes = jax.eval_shape(unrolled.init, jax.random.key(0), tokens)["params"]
     assert jax.tree.structure(nn.meta.unbox(unrolled_shapes)) == jax.tree.structure(flat)
     np.testing.assert_allclose(logits(scanned, params, tokens), logits(unrolled, flat, tokens),
                                atol=1e-5, rtol=1e-5)
-    restacked = stack_layers(flat, c.base_num_decoder_layers)
+    restacked = stack_layers(flat, ModelArgs.from_config(c))
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), params, restacked))
 
 

@@ -1,0 +1,361 @@
+"""Mixture-of-experts MLP: a drop-in for model.MLP. A router picks `num_experts_per_tok` experts per
+token; each expert is a SwiGLU; the token's output is the weighted sum of its experts' outputs.
+
+Routing (softmax or sigmoid scores, top-k, optional renormalisation and DeepSeek-V3's selection bias),
+the auxiliary losses and the capacity rule are plain array code over the whole batch, so GSPMD sees
+global statistics. The expert work runs per device inside `shard_map`: a device sorts its tokens'
+assignments by expert and multiplies them with a grouped matmul, so only the chosen experts' FLOPs are
+spent. Under expert parallelism each device holds num_experts / expert-axis experts; assignments travel
+to their expert's device and back with `all_to_all`, in buffers sized so that nothing is ever dropped
+that the capacity rule keeps. Mesh axes are read from the logical axis rules, never named here.
+
+Shape suffixes as in model.py, and: E experts, K experts per token, T tokens on a device, A = T*K
+assignments, G experts on a device, F expert width, S rows a device sends to each peer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+from flax import traverse_util
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
+
+from maxtrain import remat
+
+# Logical names of the expert weights' dimensions and of the activations the block reads.
+EXPERT_WEIGHT_AXES = ("experts", "embed", "moe_mlp")
+ACTIVATION_AXES = ("batch", "length", "embed")
+CPU_BLOCK = 64  # rows per block of the CPU grouped matmul (padding per expert costs up to this - 1 rows)
+
+
+class MoEBlock(nn.Module):
+    args: object  # model.ModelArgs (not imported: model imports this module)
+
+    @nn.compact
+    def __call__(self, x_BxLxD):
+        from maxtrain.model import MLP, dense_weight  # noqa: circular at import time only
+
+        a = self.args
+        e, k, f = a.num_experts, a.experts_per_token, a.moe_mlp
+        router_DxE = self.param("router", nn.with_logical_partitioning(
+            nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), ("embed", None)),
+            (a.embed, e), a.weight_dtype)
+        bias_E = None
+        if a.routed_bias:  # DeepSeek-V3's balancing bias: not trained, moved by the train step (step.py)
+            bias_E = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                                (e,), jnp.float32)
+        weights_BxLxK, experts_BxLxK = self.route(x_BxLxD, router_DxE, bias_E)
+
+        gate_ExDxF = dense_weight(self, "wi_gate", (e, a.embed, f), EXPERT_WEIGHT_AXES, fan_in=(1,))
+        up_ExDxF = dense_weight(self, "wi_up", (e, a.embed, f), EXPERT_WEIGHT_AXES, fan_in=(1,))
+        down_ExFxD = dense_weight(self, "wo", (e, f, a.embed), ("experts", "moe_mlp", "embed"), fan_in=(1,))
+        cap = capacity(a, x_BxLxD.shape[1]) if a.capacity_factor > 0 else None
+        y_BxLxD = expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK.astype(a.dtype),
+                             (gate_ExDxF, up_ExDxF, down_ExFxD), cap, a.moe_grouped_matmul, a.mlp_chunk,
+                             a.remat_policy)
+        if a.shared_experts:  # always-on experts (DeepSeek, Qwen2-MoE), one SwiGLU of their joint width
+            y_BxLxD = y_BxLxD + MLP(a, width=a.shared_experts * f, name="shared")(x_BxLxD)
+        return y_BxLxD
+
+    def route(self, x_BxLxD, router_DxE, bias_E):
+        """(weights [B,L,K] float32, experts [B,L,K]; num_experts marks a dropped assignment). Records
+        each layer's auxiliary losses and expert load as intermediates."""
+        a = self.args
+        e, k = a.num_experts, a.experts_per_token
+        logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
+        if a.routed_score_func == "softmax":
+            scores_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
+            probs_BxLxE = scores_BxLxE
+        else:
+            scores_BxLxE = jax.nn.sigmoid(logits_BxLxE)
+            probs_BxLxE = scores_BxLxE / jnp.sum(scores_BxLxE, axis=-1, keepdims=True)
+        choose_BxLxE = scores_BxLxE if bias_E is None else scores_BxLxE + jax.lax.stop_gradient(bias_E)
+        _, experts_BxLxK = jax.lax.top_k(choose_BxLxE, k)
+        weights_BxLxK = jnp.take_along_axis(scores_BxLxE, experts_BxLxK, axis=-1)
+        if a.norm_topk_prob:
+            weights_BxLxK = weights_BxLxK / (jnp.sum(weights_BxLxK, axis=-1, keepdims=True) + 1e-20)
+        weights_BxLxK = weights_BxLxK * a.routed_scaling_factor
+
+        # Load and the Switch/Mixtral balancing loss over the whole batch: E * sum_e (tokens to e / tokens)
+        # * (mean probability of e), k at perfect balance (as HF's and MaxText's). Counting is not differentiable.
+        tokens = math.prod(x_BxLxD.shape[:2])
+        counts_E = jnp.sum(jax.nn.one_hot(experts_BxLxK, e, dtype=jnp.float32), axis=(0, 1, 2))
+        self.sow("intermediates", "expert_load", counts_E / (tokens * k))
+        self.sow("intermediates", "lb_loss", e * jnp.sum(counts_E / tokens * jnp.mean(probs_BxLxE, axis=(0, 1))))
+        self.sow("intermediates", "z_loss", jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxE, axis=-1))))
+        if a.capacity_factor > 0:
+            keep_BxLxK = within_capacity(experts_BxLxK, e, capacity(a, x_BxLxD.shape[1]))
+            self.sow("intermediates", "dropped", 1.0 - jnp.mean(keep_BxLxK.astype(jnp.float32)))
+            experts_BxLxK = jnp.where(keep_BxLxK, experts_BxLxK, e)
+        return weights_BxLxK, experts_BxLxK
+
+
+def capacity(a, length: int) -> int:
+    """Assignments each expert takes from one sequence: capacity_factor x its fair share, rounded up."""
+    return math.ceil(a.capacity_factor * length * a.experts_per_token / a.num_experts)
+
+
+def within_capacity(experts_BxLxK, num_experts: int, cap: int):
+    """True where an assignment is kept: per sequence and expert, the first `cap` assignments, in order of
+    choice rank first (every token's first choice before any second choice, as GShard), then position."""
+    b, length, k = experts_BxLxK.shape
+    onehot_BxAxE = jax.nn.one_hot(experts_BxLxK.swapaxes(1, 2).reshape(b, k * length), num_experts, dtype=jnp.int32)
+    rank_BxA = jnp.sum(jnp.cumsum(onehot_BxAxE, axis=1) * onehot_BxAxE, axis=-1)  # 1-based place in its expert
+    return (rank_BxA <= cap).reshape(b, k, length).swapaxes(1, 2)
+
+
+def buffer_rows(length: int, k: int, local_experts: int, cap: int | None) -> int:
+    """Rows a device sends each expert-parallel peer, per sequence it holds: the most that can go to the
+    peer's experts (each token picks an expert once; the capacity rule bounds each expert further)."""
+    rows = length * min(k, local_experts)
+    return rows if cap is None else min(rows, cap * local_experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The expert computation, per device
+
+
+def _mesh_axes(logical: tuple) -> tuple:
+    """The mesh axes each logical dimension maps to under the active rules, as tuples."""
+    spec = nn.logical_to_mesh_axes(logical)
+    return tuple(() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec)
+
+
+def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, matmul: str, chunk: int = 0,
+               policy: str = "none"):
+    """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh by shard_map; with
+    `chunk`, that many positions at a time, each chunk rematerialized under `policy`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch_axes, _, _ = _mesh_axes(ACTIVATION_AXES)
+    if mesh.empty or mesh.size == 1 or x_BxLxD.shape[0] % math.prod(mesh.shape[a] for a in batch_axes):
+        # one device, or a batch the mesh cannot split (the init's shape probe, generating one sequence):
+        # the same computation for GSPMD to place
+        return _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights, expert_axes=(), embed_axes=(),
+                                 mlp_axes=(), cap=cap, matmul=matmul, chunk=chunk, policy=policy)
+    expert_axes, embed_axes, mlp_axes = _mesh_axes(EXPERT_WEIGHT_AXES)
+    local = functools.partial(_local_expert_mlp, expert_axes=expert_axes, embed_axes=embed_axes,
+                              mlp_axes=mlp_axes, cap=cap, matmul=matmul, chunk=chunk, policy=policy)
+    if not set(expert_axes) <= set(batch_axes):
+        raise ValueError(f"the expert axes {expert_axes} must also split the batch {batch_axes}")
+    tokens = PartitionSpec(batch_axes or None)
+    weight_spec = PartitionSpec(expert_axes or None, embed_axes or None, mlp_axes or None)
+    down_spec = PartitionSpec(expert_axes or None, mlp_axes or None, embed_axes or None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, weight_spec, weight_spec, down_spec),
+                         out_specs=tokens, check_vma=False)(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights)
+
+
+def _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, gate_GxDxF, up_GxDxF, down_GxFxD, *,
+                      expert_axes, embed_axes, mlp_axes, cap, matmul, chunk, policy):
+    if embed_axes:  # fsdp: gather the experts' embed dimension (its transpose reduce-scatters the gradient)
+        gate_GxDxF, up_GxDxF = (jax.lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (gate_GxDxF, up_GxDxF))
+        down_GxFxD = jax.lax.all_gather(down_GxFxD, embed_axes, axis=2, tiled=True)
+    weights = (gate_GxDxF, up_GxDxF, down_GxFxD)
+    length = x_BxLxD.shape[1]
+    run = functools.partial(_route_and_compute, weights=weights, expert_axes=expert_axes, cap=cap, matmul=matmul)
+    if chunk <= 0 or length % chunk or length == chunk:
+        y_BxLxD = run(x_BxLxD, experts_BxLxK, weights_BxLxK)
+    else:  # long sequences: the [assignments, expert width] intermediates exist one chunk at a time
+        from maxtrain.model import merge_chunks, split_chunks
+        if policy != "none":
+            run = jax.checkpoint(run, policy=remat.POLICIES[policy])
+        chunks = [split_chunks(z, chunk) for z in (x_BxLxD, experts_BxLxK, weights_BxLxK)]
+        y_BxLxD = merge_chunks(jax.lax.map(lambda c: run(*c), chunks))
+    if mlp_axes:  # tensor parallel: each device holds a slice of every expert's width
+        y_BxLxD = jax.lax.psum(y_BxLxD, mlp_axes)
+    return y_BxLxD
+
+
+def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, expert_axes, cap, matmul):
+    """This device's tokens through their experts: sorted by expert, exchanged (expert parallelism),
+    multiplied, and summed back per token with the routing weights."""
+    gate_GxDxF, up_GxDxF, down_GxFxD = weights
+    b, length, d = x_BxLxD.shape
+    k = experts_BxLxK.shape[-1]
+    x_TxD = x_BxLxD.reshape(-1, d)
+    experts_A = experts_BxLxK.reshape(-1)
+    token_A = jnp.arange(experts_A.shape[0]) // k
+    local_experts = gate_GxDxF.shape[0]
+
+    def mlp(xs_MxD, group_sizes_G):
+        gmm = functools.partial(grouped_matmul, group_sizes_G=group_sizes_G, method=matmul)
+        gate_MxF = checkpoint_name(gmm(xs_MxD, gate_GxDxF), remat.MLP_IN)
+        up_MxF = checkpoint_name(gmm(xs_MxD, up_GxDxF), remat.MLP_IN)
+        return checkpoint_name(gmm(nn.silu(gate_MxF) * up_MxF, down_GxFxD), remat.MLP_OUT)
+
+    peers = _size(expert_axes)
+    order_A, inverse_A, sizes_E = sort_by_group(experts_A, local_experts * peers)
+    xs_AxD = x_TxD[token_A[order_A]]
+    if peers == 1:
+        ys_AxD = mlp(xs_AxD, sizes_E)
+    else:
+        rows = b * buffer_rows(length, k, local_experts, cap)
+        ys_AxD = _exchange(xs_AxD, experts_A[order_A], sizes_E, mlp, expert_axes, local_experts, rows)
+    y_TxKxD = ys_AxD[inverse_A].reshape(-1, k, d)
+    y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD, weights_BxLxK.reshape(-1, k))
+    return y_TxD.reshape(b, length, d)
+
+
+def _size(axes) -> int:
+    return math.prod(jax.lax.axis_size(a) for a in axes) if axes else 1
+
+
+def sort_by_group(groups_A, num_groups: int):
+    """(order, its inverse, group sizes): groups_A[order] ascending, stable; ids >= num_groups sort last
+    and are not counted."""
+    order_A = jnp.argsort(groups_A, stable=True)
+    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
+    return order_A, inverse_A, jnp.bincount(groups_A, length=num_groups).astype(jnp.int32)
+
+
+def _exchange(xs_AxD, experts_A, sizes_E, mlp, expert_axes, local_experts, rows):
+    """Expert parallelism: the sorted assignments go to the devices holding their experts (all_to_all),
+    through `mlp` there, and back. Each peer gets a fixed `rows`-row slot, valid rows first."""
+    peers = _size(expert_axes)
+    a, d = xs_AxD.shape
+    count_P = sizes_E.reshape(peers, local_experts).sum(axis=1)
+    start_P = jnp.cumsum(count_P) - count_P
+    slot_PxS = start_P[:, None] + jnp.arange(rows)
+    valid_PxS = jnp.arange(rows) < count_P[:, None]
+    slot_PxS = jnp.where(valid_PxS, slot_PxS, a)  # row a: a zero row
+    send_PxSxD = jnp.concatenate([xs_AxD, jnp.zeros((1, d), xs_AxD.dtype)])[slot_PxS]
+    local_id_PxS = jnp.where(valid_PxS, jnp.append(experts_A, 0)[slot_PxS] % local_experts, local_experts)
+    recv_PxSxD = jax.lax.all_to_all(send_PxSxD, expert_axes, 0, 0, tiled=True)
+    recv_id_PxS = jax.lax.all_to_all(local_id_PxS, expert_axes, 0, 0, tiled=True)
+
+    order, inverse, sizes_G = sort_by_group(recv_id_PxS.reshape(-1), local_experts)
+    out_PxSxD = mlp(recv_PxSxD.reshape(-1, d)[order], sizes_G)[inverse].reshape(peers, rows, d)
+    back_PxSxD = jax.lax.all_to_all(out_PxSxD, expert_axes, 0, 0, tiled=True)
+    # sorted assignment j came from slot (its peer, j - the peer's start)
+    peer_A = jnp.minimum(experts_A // local_experts, peers - 1)
+    within_A = jnp.arange(a) - start_P[peer_A]
+    kept_A = (experts_A < local_experts * peers) & (within_A < rows)
+    return jnp.where(kept_A[:, None], back_PxSxD[peer_A, jnp.clip(within_A, 0, rows - 1)], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped matmul: rows sorted by group, row i times its group's matrix; rows past the groups give 0
+
+
+MEGABLOX_INTERPRET = False  # tests run the TPU kernel in Pallas' interpreter on CPU
+
+
+def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str):
+    """`megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and tgmm for the weight gradient).
+    `ragged_dot`: XLA's grouped matmul (GPU); XLA:TPU forms its weight gradient through a [groups, rows,
+    width] mask (7 GiB a layer for Mixtral 8x7B) and XLA:CPU expands it into a dense matmul per group
+    (G times the work), so on CPU `blocked` walks blocks of rows, one group each."""
+    if method == "ragged_dot":
+        return jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
+    if method == "megablox":
+        return _megablox(x_MxD, w_GxDxF, group_sizes_G)
+    return _blocked(x_MxD, w_GxDxF, group_sizes_G)
+
+
+def _megablox(x_MxD, w_GxDxF, group_sizes_G):
+    from jax.experimental.pallas.ops.tpu.megablox import ops  # TPU only (or interpreted)
+
+    m, (_, k, n) = x_MxD.shape[0], w_GxDxF.shape
+    tm = min(512, -(-m // 8) * 8)  # rows per tile: the kernel needs whole tiles of rows
+    padded = -(-m // tm) * tm
+    # The kernels leave rows past the groups unwritten, in the output and in x's gradient: select them away
+    # on both sides (a select, not a product, so whatever they hold never reaches a gradient).
+    in_group_Mx1 = (jnp.arange(m) < jnp.sum(group_sizes_G))[:, None]
+    x = jnp.pad(jnp.where(in_group_Mx1, x_MxD, 0), ((0, padded - m), (0, 0)))
+    y = ops.gmm(x, w_GxDxF, group_sizes_G, x_MxD.dtype, (tm, min(1024, k), min(1024, n)), None, None, False,
+                MEGABLOX_INTERPRET)[:m]
+    return jnp.where(in_group_Mx1, y, 0)
+
+
+def _block_layout(group_sizes_G, rows: int, block: int):
+    """Each group's rows padded to whole blocks: for every padded row its source row (`rows` = none), and
+    each block's group and whether it holds any row; for every source row its padded row."""
+    g = group_sizes_G.shape[0]
+    blocks = -(-rows // block) + g  # enough for any split of `rows` rows into g padded groups
+    padded_G = -(-group_sizes_G // block) * block
+    start_G = jnp.cumsum(group_sizes_G) - group_sizes_G
+    pstart_G = jnp.cumsum(padded_G) - padded_G
+    r_R = jnp.arange(blocks * block)
+    group_R = jnp.clip(jnp.searchsorted(pstart_G + padded_G, r_R, side="right"), 0, g - 1)
+    offset_R = r_R - pstart_G[group_R]
+    source_R = jnp.where(offset_R < group_sizes_G[group_R], start_G[group_R] + offset_R, rows)
+    block_group_N = group_R[::block]
+    block_used_N = r_R[::block] < jnp.sum(padded_G)
+    i_M = jnp.arange(rows)
+    group_M = jnp.clip(jnp.searchsorted(start_G + group_sizes_G, i_M, side="right"), 0, g - 1)
+    in_group_M = i_M < jnp.sum(group_sizes_G)
+    padded_M = pstart_G[group_M] + i_M - start_G[group_M]
+    return source_R, block_group_N, block_used_N, padded_M, in_group_M
+
+
+def _blocked_apply(x_MxD, w_GxDxF, layout, block: int):
+    source_R, block_group_N, block_used_N, padded_M, in_group_M = layout
+    xp_NxBxD = jnp.concatenate([x_MxD, jnp.zeros((1, x_MxD.shape[1]), x_MxD.dtype)])[source_R]
+    xp_NxBxD = xp_NxBxD.reshape(-1, block, x_MxD.shape[1])
+
+    def body(_, blk):
+        x_BxD, group, used = blk
+        return None, jax.lax.cond(used, lambda: x_BxD @ w_GxDxF[group],
+                                  lambda: jnp.zeros((block, w_GxDxF.shape[2]), x_BxD.dtype))
+    _, yp_NxBxF = jax.lax.scan(body, None, (xp_NxBxD, block_group_N, block_used_N))
+    yp_RxF = yp_NxBxF.reshape(-1, w_GxDxF.shape[2])
+    return jnp.where(in_group_M[:, None], yp_RxF[padded_M], 0)
+
+
+@jax.custom_vjp
+def _blocked(x_MxD, w_GxDxF, group_sizes_G):
+    return _blocked_apply(x_MxD, w_GxDxF, _block_layout(group_sizes_G, x_MxD.shape[0], CPU_BLOCK), CPU_BLOCK)
+
+
+def _blocked_fwd(x_MxD, w_GxDxF, group_sizes_G):
+    layout = _block_layout(group_sizes_G, x_MxD.shape[0], CPU_BLOCK)
+    return _blocked_apply(x_MxD, w_GxDxF, layout, CPU_BLOCK), (x_MxD, w_GxDxF, group_sizes_G, layout)
+
+
+def _blocked_bwd(residuals, dy_MxF):
+    x_MxD, w_GxDxF, group_sizes_G, layout = residuals
+    source_R, block_group_N, block_used_N, _, _ = layout
+    dx_MxD = _blocked_apply(dy_MxF, w_GxDxF.swapaxes(1, 2), layout, CPU_BLOCK)
+    pad = lambda z: jnp.concatenate([z, jnp.zeros((1, z.shape[1]), z.dtype)])[source_R].reshape(  # noqa: E731
+        -1, CPU_BLOCK, z.shape[1])
+
+    def body(dw_GxDxF, blk):  # each block adds its x^T dy to its group's slice, in place
+        x_BxD, dy_BxF, group, used = blk
+        update = jax.lax.cond(used, lambda: (x_BxD.T @ dy_BxF).astype(dw_GxDxF.dtype),
+                              lambda: jnp.zeros(dw_GxDxF.shape[1:], dw_GxDxF.dtype))
+        return dw_GxDxF.at[group].add(update), None
+    dw, _ = jax.lax.scan(body, jnp.zeros(w_GxDxF.shape, jnp.float32),
+                         (pad(x_MxD), pad(dy_MxF), block_group_N, block_used_N))
+    return dx_MxD.astype(x_MxD.dtype), dw.astype(w_GxDxF.dtype), None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the MoE layers record, for the loss, the metrics and the balancing bias
+
+
+def collect(intermediates, name: str):
+    """The recorded `name` of every MoE layer, in layer order, stacked: [moe layers, ...]; None if none."""
+    found = []
+    for path, value in traverse_util.flatten_dict(intermediates).items():
+        if path[-1] == name:  # scanned stacks carry a leading layers axis; unrolled layers are layers_<i>
+            index = int(path[0].removeprefix("layers_")) if path[0].startswith("layers_") else -1
+            found.append((index, value[0] if index == -1 else value[0][None]))
+    return jnp.concatenate([v for _, v in sorted(found, key=lambda item: item[0])]) if found else None
+
+
+def update_router_bias(params, intermediates, rate: float):
+    """DeepSeek-V3: each layer's bias moves by `rate` up for experts below the mean load, down above it."""
+    flat = traverse_util.flatten_dict(params)
+    for path, value in traverse_util.flatten_dict(intermediates).items():
+        if path[-1] == "expert_load":
+            load = value[0]
+            bias = path[:-1] + ("router_bias",)
+            flat[bias] = flat[bias] + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return traverse_util.unflatten_dict(flat)
