@@ -120,7 +120,7 @@ def test_only_one_fill_axis_per_group():
 
 def test_fill_resolves_mesh():
     c = config.with_devices(config.load([BASE, "ici_tensor_parallelism=2"]), 8)
-    assert c.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert c.mesh_shape == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
 
 
 def test_dcn_product_must_match_slices():
