@@ -4,6 +4,8 @@ grouped matmuls, and training that gives the same losses on every mesh (expert, 
 import dataclasses
 import json
 import math
+import os
+import subprocess
 
 import flax.linen as nn
 import jax
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from conftest import TESTS, TINY
 from maxtrain import config as config_lib, mesh as mesh_lib, moe
 from maxtrain.model import MLP, Decoder, ModelArgs, stack_layers, unstack_layers
 
@@ -277,3 +280,17 @@ def test_bad_moe_configs_name_the_key(tiny_config, overrides, key):
     with pytest.raises(config_lib.ConfigError) as e:
         tiny_config(*overrides)
     assert e.value.key == key and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_two_processes_with_experts_across_them_match_one(tmp_path, train_tiny):
+    """Expert parallelism over both processes (dcn expert=2 x ici expert=4): the all_to_alls cross processes."""
+    env = dict(os.environ, MAXTRAIN_LOG_DIR=str(tmp_path / "logs"), MAXTRAIN_DEVICES_PER_PROCESS="4")
+    proc = subprocess.run([str(TESTS.parent / "scripts" / "launch_local.sh"), "2", TINY, f"base_output_directory={tmp_path}",
+                           "run_name=multi", "log_period=1", *MOE, "ici_expert_parallelism=4", "ici_fsdp_parallelism=1",
+                           "dcn_data_parallelism=1", "dcn_expert_parallelism=2"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=TESTS.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    multi = [json.loads(x)["train/loss"] for x in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
+    single = train_tiny(*MOE, *mesh_overrides(MESHES["expert8"]), "run_name=single")["losses"]
+    np.testing.assert_allclose(multi, single, rtol=1e-5)
