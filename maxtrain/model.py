@@ -40,6 +40,7 @@ class ModelArgs:
     scan_layers: bool
     remat_policy: str
     mlp_chunk: int  # 0 = the whole sequence at once
+    moe_chunk: int  # the same for an MoE layer
     attention: str
     logits_dot_in_fp32: bool
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
@@ -67,6 +68,7 @@ class ModelArgs:
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
             qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
             scan_layers=c.scan_layers, remat_policy=c.remat_policy, mlp_chunk=c.mlp_chunk_size,
+            moe_chunk=c.get("moe_chunk_size", 0),
             attention=c.attention, logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
             num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_mlp=c.moe_mlp_dim,
             shared_experts=c.shared_experts, first_dense_layers=c.first_num_dense_layers,

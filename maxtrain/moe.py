@@ -55,7 +55,7 @@ class MoEBlock(nn.Module):
         down_ExFxD = dense_weight(self, "wo", (e, f, a.embed), ("experts", "moe_mlp", "embed"), fan_in=(1,))
         cap = capacity(a, x_BxLxD.shape[1]) if a.capacity_factor > 0 else None
         y_BxLxD = expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK.astype(a.dtype),
-                             (gate_ExDxF, up_ExDxF, down_ExFxD), cap, a.moe_grouped_matmul, a.mlp_chunk,
+                             (gate_ExDxF, up_ExDxF, down_ExFxD), cap, a.moe_grouped_matmul, a.moe_chunk,
                              a.remat_policy)
         if a.shared_experts:  # always-on experts (DeepSeek, Qwen2-MoE), one SwiGLU of their joint width
             y_BxLxD = y_BxLxD + MLP(a, width=a.shared_experts * f, name="shared")(x_BxLxD)

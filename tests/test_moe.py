@@ -143,7 +143,7 @@ def test_chunks_of_positions_equal_the_whole_sequence(tiny_config, capacity_fact
     x = random_x(args)
     params = init_block(args, x)
     whole = apply_block(args, params, x, c, MESHES["expert4xfsdp2"])
-    chunked = apply_block(dataclasses.replace(args, mlp_chunk=4), params, x, c, MESHES["expert4xfsdp2"])
+    chunked = apply_block(dataclasses.replace(args, moe_chunk=4), params, x, c, MESHES["expert4xfsdp2"])
     np.testing.assert_allclose(chunked, whole, atol=1e-6)
 
 
