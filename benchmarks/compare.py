@@ -48,7 +48,11 @@ MEDIUM = ["base_num_decoder_layers=8", "base_emb_dim=512", "base_num_query_heads
           "head_dim=64", "base_mlp_dim=2048", "max_target_length=512", "vocab_size=32000",
           "dtype=bfloat16", "weight_dtype=float32", "remat_policy=full", "scan_layers=true",
           "logits_dot_in_fp32=false"]
-# name, overrides, fake devices, global batch, MaxText s/step, MaxText tokens/s
+# The small shape as a Mixtral-style MoE: 8 experts of the small MLP's width, top-2, the top-2 weights
+# renormalised (Mixtral's softmax over the chosen two), the same balancing-loss weight on both sides.
+MOE = SMALL + ["num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=1024", "load_balance_loss_weight=0.01",
+               "norm_topk_prob=true"]
+# name, overrides, fake devices, global batch, MaxText s/step, MaxText tokens/s (None: the issue quotes none)
 ROWS = [
     ("small", SMALL, 1, 4, 0.84, 1230),
     ("small float32", SMALL + ["dtype=float32"], 1, 4, 1.12, 914),
@@ -56,15 +60,28 @@ ROWS = [
     ("small fsdp=4", SMALL, 4, 4, 0.96, 1070),
     ("medium", MEDIUM, 1, 4, 6.22, 331),
     ("medium remat minimal", MEDIUM + ["remat_policy=minimal"], 1, 4, 5.53, 371),
+    ("moe 8x top-2", MOE, 1, 4, None, None),
 ]
 # MaxText's own keys for the same work (its model keys are the ones above): the llama2 block, synthetic
 # data, plain dot-product attention, nothing written.
 MAXTEXT_ARGS = ["hardware=cpu", "skip_jax_distributed_system=true", "model_name=default", "decoder_block=llama2",
                 "attention=dot_product", "dataset_type=synthetic", "enable_checkpointing=false",
                 "async_checkpointing=false", "enable_tensorboard=false", "jax_cache_dir=", "ici_fsdp_parallelism=-1"]
+# A row's MaxText keys where they differ from maxtrain's (key=value, over the row's and MAXTEXT_ARGS'; a key
+# with no value is dropped). The MoE row: MaxText's Mixtral block, whose router already takes the softmax over
+# the top-2 logits (so no norm_topk_prob). MaxText's Mixtral default is dropless sparse_matmul with the
+# megablox kernel, a Pallas kernel that off TPU runs in interpret mode; megablox=false keeps the dropless sparse
+# path on jax.lax.ragged_dot, which XLA:CPU runs (as a dense matmul per expert). That is MaxText's own dropless
+# MoE on CPU; sparse_matmul=false without a capacity factor is dropless too but runs every expert on every token.
+MAXTEXT_ROW_KEYS = {
+    "moe 8x top-2": ["decoder_block=mixtral", "norm_topk_prob", "sparse_matmul=true", "megablox=false",
+                     "capacity_factor=-1"],
+}
 AOT = [
     ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
     ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
+    # MaxText 0.2.4's own compile of its mixtral-8x7b, same settings (issue #23): arguments 8.16 + temporaries 15.54
+    ("mixtral-8x7b v5p-128", ["model_name=mixtral-8x7b", "max_target_length=4096"], 23.70),
 ]
 # The plain command: the platform defaults choose bfloat16, splash attention and the loss and MLP chunks.
 AOT_COMMON = ["compile_topology=v5p-128", "per_device_batch_size=4"]
@@ -129,20 +146,34 @@ def maxtext_base_yml(python):
     return None if where.returncode else str(Path(where.stdout.strip()) / "configs" / "base.yml")
 
 
-def maxtext_command(python, overrides, devices, batch, steps, out, extra=()):
-    """(argv, env) that run MaxText's trainer on a row, or None where PYTHON has no maxtext."""
+def merge_keys(*groups):
+    """key=value lists merged in order, a later key replacing an earlier one in place; a bare key drops it."""
+    merged = {}
+    for item in (item for group in groups for item in group):
+        key, eq, _ = item.partition("=")
+        if eq:
+            merged[key] = item
+        else:
+            merged.pop(key, None)
+    return list(merged.values())
+
+
+def maxtext_command(python, overrides, devices, batch, steps, out, extra=(), row_keys=()):
+    """(argv, env) that run MaxText's trainer on a row, or None where PYTHON has no maxtext. `row_keys`: the
+    row's MAXTEXT_ROW_KEYS."""
     base_yml = maxtext_base_yml(python)
     if base_yml is None:
         return None
-    args = [base_yml, *overrides, *MAXTEXT_ARGS, f"per_device_batch_size={batch / devices:g}", f"steps={steps}",
-            f"base_output_directory={out}", "run_name=compare", *extra]
+    args = [base_yml, *merge_keys(overrides, MAXTEXT_ARGS, row_keys, [
+        f"per_device_batch_size={batch / devices:g}", f"steps={steps}", f"base_output_directory={out}",
+        "run_name=compare"], extra)]
     return [python, "-u", "-m", "maxtext.trainers.pre_train.train", *args], cpu_env(devices, TF_CPP_MIN_LOG_LEVEL="2")
 
 
-def run_maxtext_row(python, overrides, devices, batch, steps):
+def run_maxtext_row(python, overrides, devices, batch, steps, row_keys=()):
     """MaxText's s/step on the same row, or a short reason it did not run."""
     with tempfile.TemporaryDirectory() as out:
-        command = maxtext_command(python, overrides, devices, batch, steps + 3, out)
+        command = maxtext_command(python, overrides, devices, batch, steps + 3, out, row_keys=row_keys)
         if command is None:
             return f"no maxtext in {python}"
         proc = subprocess.run(command[0], capture_output=True, text=True, env=command[1], cwd=out)
@@ -232,21 +263,25 @@ def main():
         for _ in range(args.rounds):  # alternating, so both see the same stretch of this machine's speed
             runs.append(run_row(overrides, devices, batch, args.steps, extra))
             if args.maxtext:
-                mt_runs.append(run_maxtext_row(args.maxtext, overrides, devices, batch, args.steps))
+                mt_runs.append(run_maxtext_row(args.maxtext, overrides, devices, batch, args.steps,
+                                               MAXTEXT_ROW_KEYS.get(name, ())))
         seconds = [run["seconds"] for run in runs]
         r = sorted(runs, key=lambda run: run["seconds"])[(len(runs) - 1) // 2]  # the median run (lower middle)
-        ratio = r["tokens_per_second"] / mt_tps
         here = ""
         if mt_runs:
             failed = [m for m in mt_runs if not isinstance(m, float)]
             paired = [mt / ours for mt, ours in zip(mt_runs, seconds)]  # each pair ran back to back
             here = f"{failed[0]} |" if failed else f"{spread(mt_runs, 3, '')} | {spread(paired, 2, 'x')}"
-        # The share of the float32 peak that 1.2x MaxText's tokens/s would take on this machine: over
-        # 100% (all FLOPs) the work cannot run that fast here.
         used = f"{100 * r['mfu']:.0f}% ({100 * r['executed_utilization']:.0f}%)"
-        needs = f"{120 * r['mfu'] / ratio:.0f}% ({120 * r['executed_utilization'] / ratio:.0f}%)"
-        print(f"| {name} | {spread(seconds, 3, '')} | {r['tokens_per_second']:,.0f} | {used} | "
-              f"{mt_sec:.2f} | {mt_tps:,} | {ratio:.2f}x | {needs} | "
+        if mt_tps is None:  # no figures from the issue: only the MaxText run here compares
+            quoted = "- | - | - | -"
+        else:
+            # The share of the float32 peak that 1.2x MaxText's tokens/s would take on this machine: over
+            # 100% (all FLOPs) the work cannot run that fast here.
+            ratio = r["tokens_per_second"] / mt_tps
+            needs = f"{120 * r['mfu'] / ratio:.0f}% ({120 * r['executed_utilization'] / ratio:.0f}%)"
+            quoted = f"{mt_sec:.2f} | {mt_tps:,} | {ratio:.2f}x | {needs}"
+        print(f"| {name} | {spread(seconds, 3, '')} | {r['tokens_per_second']:,.0f} | {used} | {quoted} | "
               f"{1e3 * r['peak']:.0f} / {1e3 * r['peak_bf16']:.0f} | {here or ' |'} |", flush=True)
     if not wanted or "startup" in wanted:
         # an empty compilation cache, then the same one again; --startup-runs pairs, median (range)
