@@ -139,8 +139,6 @@ def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, 
     expert_axes, embed_axes, mlp_axes = _mesh_axes(EXPERT_WEIGHT_AXES)
     local = functools.partial(_local_expert_mlp, expert_axes=expert_axes, embed_axes=embed_axes,
                               mlp_axes=mlp_axes, cap=cap, matmul=matmul, chunk=chunk, policy=policy)
-    if not set(expert_axes) <= set(batch_axes):
-        raise ValueError(f"the expert axes {expert_axes} must also split the batch {batch_axes}")
     tokens = PartitionSpec(batch_axes or None)
     weight_spec = PartitionSpec(expert_axes or None, embed_axes or None, mlp_axes or None)
     down_spec = PartitionSpec(expert_axes or None, mlp_axes or None, embed_axes or None)
