@@ -12,7 +12,8 @@ is what 1.2x the issue's MaxText tokens/s would take of that peak, on both count
 median, with the range; tokens/s, MFU and the peaks come from the median run (the lower middle one
 for an even N). The AOT
 rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures from the
-issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted.
+issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted; with
+--maxtext, MaxText's own train_compile also runs each AOT row, on maxtrain's libtpu ("here").
 
 `--maxtext PYTHON` also runs MaxText itself on each CPU row, right after maxtrain, on this machine:
 PYTHON is an interpreter with MaxText installed. MaxText needs Python >= 3.12, so, for example:
@@ -82,7 +83,8 @@ MAXTEXT_ROW_KEYS = {
 AOT = [
     ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
     ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
-    # MaxText 0.2.4's own compile of its mixtral-8x7b, same settings (issue #23): arguments 8.16 + temporaries 15.54
+    # MaxText 0.2.4's own compile of its mixtral-8x7b, same settings (issue #23): arguments 8.16 + temporaries 15.54.
+    # MaxText's figures come from its own install's libtpu, 0.0.52: the tpu extra pins the same.
     ("mixtral-8x7b v5p-128", ["model_name=mixtral-8x7b", "max_target_length=4096"], 23.70),
 ]
 # The plain command: the platform defaults choose bfloat16, splash attention and the loss and MLP chunks.
@@ -240,6 +242,26 @@ def aot_gib(overrides, extra):
     return float(m.group(1)), f"arguments {args.group(1)} + temporaries {args.group(2)} GiB"
 
 
+def maxtext_aot_gib(python, overrides):
+    """MaxText's own ahead-of-time compile of a row (its train_compile, remat full like maxtrain's plain
+    command), on the libtpu this interpreter loads, so both sides use one compiler: (GiB, detail)."""
+    import libtpu  # the tpu extra's
+    base_yml = maxtext_base_yml(python)
+    if base_yml is None:
+        return float("nan"), f"no maxtext in {python}"
+    env = {**os.environ, "TPU_LIBRARY_PATH": os.path.join(os.path.dirname(libtpu.__file__), "libtpu.so"),
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", base_yml, *overrides,
+                           *AOT_COMMON, "override_model_config=true", "compile_topology_num_slices=1",
+                           "remat_policy=full"], capture_output=True, text=True, cwd=REPO, env=env)
+    stats = {k: int(v) for k, v in re.findall(r"(\w+_size_in_bytes)=(\d+)", proc.stdout + proc.stderr)}
+    if "temp_size_in_bytes" not in stats:
+        return float("nan"), (proc.stderr.strip().splitlines() or ["failed"])[-1]
+    args, temps = stats["argument_size_in_bytes"] / 2**30, stats["temp_size_in_bytes"] / 2**30
+    total = args + temps + stats["output_size_in_bytes"] / 2**30 - stats["alias_size_in_bytes"] / 2**30
+    return total, f"arguments {args:.3f} + temporaries {temps:.3f} GiB"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
@@ -306,10 +328,20 @@ def main():
     if args.skip_aot:
         return
     print(f"\nahead-of-time compile, the plain command: {' '.join(AOT_COMMON)}")
-    print("| per chip | maxtrain GiB | detail | MaxText GiB | ratio |\n|---|---|---|---|---|")
+    here = " MaxText GiB here | detail | ratio here |" if args.maxtext else ""
+    print(f"| per chip | maxtrain GiB | detail | MaxText GiB (issue) | ratio |{here}\n|---|---|---|---|---|"
+          + "---|---|---|" * bool(args.maxtext))
     for name, overrides, mt_gib in AOT:
         gib, detail = aot_gib(overrides, extra)
-        print(f"| {name} | {gib:.2f} | {detail} | {mt_gib:.2f} | {mt_gib / gib:.2f}x less |", flush=True)
+        row = f"| {name} | {gib:.2f} | {detail} | {mt_gib:.2f} | {less(gib, mt_gib)} |"
+        if args.maxtext:
+            mt_here, mt_detail = maxtext_aot_gib(args.maxtext, overrides)
+            row += f" {mt_here:.2f} | {mt_detail} | {less(gib, mt_here)} |"
+        print(row, flush=True)
+
+
+def less(gib, other):
+    return f"{other / gib:.2f}x less" if gib <= other else f"{gib / other:.3f}x more"
 
 
 if __name__ == "__main__":

@@ -31,13 +31,22 @@ def make_mesh(config: Config, devices=None) -> Mesh:
     dcn = [config.mesh_dcn[a] for a in MESH_AXES]
     if config.num_slices > 1:
         # TPU: slices are the granules of the hybrid mesh; GPU and CPU clusters: processes (hosts).
-        grid = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, process_is_granule=devices[0].platform != "tpu")
+        grid = _on_torus(mesh_utils.create_hybrid_device_mesh, ici, dcn, devices,
+                         process_is_granule=devices[0].platform != "tpu")
     elif devices[0].platform in ("tpu", "gpu"):
-        grid = mesh_utils.create_device_mesh(ici, devices)  # topology-aware ordering
+        grid = _on_torus(mesh_utils.create_device_mesh, ici, devices)  # topology-aware ordering
     else:
         grid = np.asarray(devices).reshape(ici)
     return Mesh(grid, MESH_AXES)
+
+
+def _on_torus(create, *args, **kwargs):
+    """mesh_utils' topology-aware device grid; where an axis spans no whole set of torus dimensions (8 on
+    a 4x4x4 slice), one dimension is split between axes, as MaxText's allow_split_physical_axes does."""
+    try:
+        return create(*args, **kwargs)
+    except NotImplementedError:
+        return create(*args, **kwargs, allow_split_physical_axes=True)
 
 
 def axis_rules(config: Config) -> tuple:

@@ -84,6 +84,26 @@ def test_topology_names():
     assert topology("v6e-8")[1] == "v6e:2x4"
 
 
+def test_mesh_axes_that_split_a_torus_dimension():
+    """fsdp 8 x expert 8 on v5p-128's 4x4x4 chips, wired as a real slice (rings of 4): no axis spans whole
+    torus dimensions, so one dimension is split between them (MaxText's allow_split_physical_axes)."""
+    code = """
+import maxtrain.compile as C
+from jax.experimental import topologies
+from maxtrain import config as config_lib, mesh as mesh_lib
+spec = C.topology("v5p-128")[1]
+assert C.slice_shape(spec)["wrap"] == (True, True, True) and not any(C.slice_shape("v5p:2x4x4")["wrap"])
+devices = topologies.get_topology_desc(platform="tpu", topology_name=spec, **C.slice_shape(spec)).devices
+c = config_lib.load([str(config_lib.BASE_YML), "ici_fsdp_parallelism=8", "ici_expert_parallelism=8",
+                     "num_experts=8", "compile_topology=v5p-128"])
+mesh = mesh_lib.make_mesh(config_lib.with_devices(c, len(devices), 1, "tpu"), devices)
+print(dict(mesh.shape), len(set(mesh.devices.flat)))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "{'data': 1, 'fsdp': 8, 'expert': 8, 'tensor': 1} 64" in proc.stdout
+
+
 def run_compile(*args):
     return subprocess.run([sys.executable, "-m", "maxtrain.compile", TINY, *args], capture_output=True,
                           text=True, timeout=600, cwd=REPO)

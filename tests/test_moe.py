@@ -222,6 +222,31 @@ def test_the_tpu_kernel_equals_blocked_in_the_interpreter(monkeypatch, method):
     np.testing.assert_allclose(dw1, dw2, atol=1e-3)
 
 
+def test_the_tpu_kernel_swiglu_masks_only_its_ends(monkeypatch):
+    """megablox_swiglu selects rows past the groups away only before the first and after the last matmul:
+    NaN in those rows of x and of the output's gradient reaches neither the result nor any gradient."""
+    monkeypatch.setattr(moe, "MEGABLOX_INTERPRET", True)
+    rng = np.random.default_rng(1)
+    sizes = jnp.array([60, 0, 100, 7], jnp.int32)  # 89 rows past all groups
+    x = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32).at[167:].set(jnp.nan)
+    ws = tuple(jnp.asarray(rng.normal(size=s) / 12, jnp.float32) for s in ((4, 128, 128), (4, 128, 128), (4, 128, 128)))
+    dy = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32).at[167:].set(jnp.nan)
+
+    def body(x, matmul):
+        return matmul(nn.silu(matmul(x, 0)) * matmul(x, 1), 2)
+
+    def run_vjp(run, cotangent):
+        y, vjp = jax.vjp(lambda x, ws: run(x, sizes, ws, body), x, ws)
+        return y, *vjp(cotangent)
+    y1, dx1, dw1 = run_vjp(moe.megablox_swiglu, dy)  # NaN in dy's rows past the groups too
+    y2, dx2, dw2 = run_vjp(moe.blocked_swiglu, jnp.where(jnp.isnan(dy), 0, dy))
+    assert not np.any(np.asarray(y1)[167:]) and not np.any(np.asarray(dx1)[167:])
+    np.testing.assert_allclose(y1, y2, atol=1e-4)
+    np.testing.assert_allclose(dx1, dx2, atol=1e-3)
+    for a, b in zip(dw1, dw2):
+        np.testing.assert_allclose(a, b, atol=1e-3)
+
+
 def test_the_same_losses_on_every_mesh(train_tiny):
     """5 steps of training, float32: rtol 1e-5 (the same sums in other orders; no routing decision flips)."""
     runs = {name: train_tiny(*MOE, *mesh_overrides(shape), f"run_name={name}")["losses"]
