@@ -8,13 +8,19 @@ segment ids [B,L], apply causal + same-document masking, and return [B,L,H,K].
 - jax_nn: jax.nn.dot_product_attention (cuDNN flash attention on GPU where it applies, XLA elsewhere).
 - splash: the Pallas splash-attention kernel (TPU): blockwise, never materializes the scores. On other
   backends it runs in Pallas interpret mode, which is for tests only.
+
+Under context parallelism (the `context` mesh axis splits `length`) every kernel but splash gives way to
+`context_parallel`: all-gathered keys and values, a mask from positions.
 """
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 
@@ -121,3 +127,41 @@ def _divides(spec: PartitionSpec, shape, mesh) -> bool:
 
 
 KERNELS = {"dot_product": dot_product, "blockwise": blockwise, "jax_nn": jax_nn, "splash": splash}
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: the sequence's positions split over devices (the `length` logical axis)
+
+
+def length_shards() -> int:
+    """How many devices split an activation's `length` under the active mesh and rules."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not nn.get_logical_axis_rules():
+        return 1
+    axes = nn.logical_to_mesh_axes(("length",))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
+    """Each device keeps its queries and gathers the whole sequence's keys and values (the all-gather
+    strategy of MaxText and torchtitan); GSPMD splits the scores by query. The causal mask compares
+    positions, not places, so a reordered sequence (zigzag_order) attends exactly as the original."""
+    b, length, h, k = q_BxLxHxK.shape
+    n = k_BxLxNxK.shape[2]
+    whole = ("batch", None, "kv_heads", "head_dim")  # length unsplit: all-gathered
+    k_BxLxNxK, v_BxLxNxK = (nn.with_logical_constraint(x, whole) for x in (k_BxLxNxK, v_BxLxNxK))
+    keys_BxL = [nn.with_logical_constraint(x, ("batch", None)) for x in (positions_BxL, segment_ids_BxL)]
+    mask_Bx1xLxM = ((positions_BxL[:, :, None] >= keys_BxL[0][:, None, :])
+                    & (segment_ids_BxL[:, :, None] == keys_BxL[1][:, None, :]))[:, None]
+    q_BxNxGxLxK = q_BxLxHxK.reshape(b, length, n, h // n, k).transpose(0, 2, 3, 1, 4)
+    ctx_BxNxGxLxK = _attend(q_BxNxGxLxK, k_BxLxNxK.transpose(0, 2, 1, 3), v_BxLxNxK.transpose(0, 2, 1, 3),
+                            mask_Bx1xLxM)
+    return ctx_BxNxGxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
+
+
+def zigzag_order(length: int, shards: int) -> np.ndarray:
+    """Places of the load-balanced layout: the sequence cut into 2 x shards chunks, shard i holding
+    chunks i and 2 x shards - 1 - i, so every shard has the same number of causal query-key pairs."""
+    chunks = np.arange(length).reshape(2 * shards, -1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])

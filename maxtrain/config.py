@@ -22,7 +22,7 @@ from maxtrain.errors import UserError
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_YML = CONFIG_DIR / "base.yml"
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 DTYPES = ("float32", "bfloat16")
 MODEL_KEYS = (
     "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
@@ -443,6 +443,11 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
             raise ConfigError(key, f"{c[key]} is not divisible by the tensor axis ({tensor})")
     if c["num_experts"] > 1:
         _check_expert_sharding(c, shape)
+    pieces = shape["context"] * (2 if c["context_parallel_load_balance"] else 1)
+    if shape["context"] > 1 and c["max_target_length"] % pieces:
+        why = " x 2 (context_parallel_load_balance)" if pieces > shape["context"] else ""
+        raise ConfigError("max_target_length", f"{c['max_target_length']} does not split into {pieces} equal pieces: "
+                          f"the context axis ({shape['context']}){why}")
 
     global_batch = c["per_device_batch_size"] * num_devices
     if global_batch != int(global_batch) or global_batch < 1:
@@ -459,6 +464,9 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
     c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
              mesh_shape=shape, global_batch_size=global_batch)
     platform_defaults.resolve(c, platform)
+    if shape["context"] > 1 and c["attention"] == "splash":
+        raise ConfigError("attention", "splash does not run under context parallelism yet (the context axis is "
+                          f"{shape['context']}): set attention=blockwise, dot_product or jax_nn")
     return Config(c)
 
 

@@ -303,7 +303,8 @@ class GrainIterator:
         self._iter = iter(dataset)
         self._sharding = batch_sharding
         self._shape = (c.global_batch_size, c.max_target_length)
-        self._local_shape = (c.global_batch_size // jax.process_count(), c.max_target_length)
+        _, shares, self._columns = host_region(batch_sharding, self._shape)
+        self._local_shape = (c.global_batch_size // shares, self._columns.stop - self._columns.start)
         self._pad_after_end = pad_after_end
 
     def __iter__(self):
@@ -316,7 +317,7 @@ class GrainIterator:
             if not self._pad_after_end:
                 raise
             local = {k: np.zeros(self._local_shape, dtype) for k, dtype in BATCH_DTYPES.items()}
-        return {k: jax.make_array_from_process_local_data(self._sharding, v, self._shape)
+        return {k: jax.make_array_from_process_local_data(self._sharding, v[:, self._columns], self._shape)
                 for k, v in local.items()}
 
     def skip(self, n: int) -> None:
@@ -331,14 +332,24 @@ class GrainIterator:
         self._iter.set_state(state)
 
 
-def check_usable(documents, tokenizer: Tokenizer, c: Config) -> None:
+def host_region(batch_sharding, shape) -> tuple[int, int, slice]:
+    """This process's part of every [global batch, length] array: (the index of its share of the rows,
+    the number of shares, its columns). Processes that split rows' positions between them (the context
+    axis across hosts) share rows: they read the same documents and each keeps its own columns."""
+    spans = [(i[0].indices(shape[0])[:2], i[1].indices(shape[1])[:2])
+             for i in batch_sharding.addressable_devices_indices_map(shape).values()]
+    (r0, r1), (c0, c1) = [(min(s[d][0] for s in spans), max(s[d][1] for s in spans)) for d in (0, 1)]
+    return r0 // (r1 - r0), shape[0] // (r1 - r0), slice(c0, c1)
+
+
+def check_usable(documents, tokenizer: Tokenizer, c: Config, share_index: int = 0, shares: int = 1) -> None:
     """This process's share must hold a document with a token to predict: otherwise the pipeline, which
     drops empty documents and repeats, would search forever. Stops at the first usable document."""
-    share = range(jax.process_index(), len(documents), jax.process_count())
+    share = range(share_index, len(documents), shares)
     for i in share:
         if len(tokenizer.encode(documents[i])) >= 2:
             return
-    whose = f" for process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
+    whose = f" for share {share_index} of {shares}" if shares > 1 else ""
     if not len(share):
         raise DataError(f"{c.train_files}: no documents{whose}: nothing to train on")
     raise DataError(f"{c.train_files}: none of its {len(share)} documents{whose} has two tokens or more "
@@ -351,8 +362,9 @@ def make_iterators(c: Config, batch_sharding):
         return SyntheticIterator(c, batch_sharding), None
     tokenizer = make_tokenizer(c)
     train_docs, eval_docs = split_documents(c)
-    check_usable(train_docs, tokenizer, c)
-    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    share_index, shares, _ = host_region(batch_sharding, (c.global_batch_size, c.max_target_length))
+    check_usable(train_docs, tokenizer, c, share_index, shares)
+    where = dict(process_index=share_index, process_count=shares)  # processes sharing rows read alike
     train_iter = GrainIterator(make_dataset(c, train_docs, tokenizer, train=True, **where), c, batch_sharding)
     if eval_docs is None:
         return train_iter, None

@@ -169,9 +169,11 @@ class Attention(nn.Module):
                               ("batch", "length", "kv_heads", "head_dim"))
         v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-        kernel = attention.KERNELS[a.attention]
-        extra = {"residual_name": remat.CONTEXT} if a.attention == "splash" else {}
-        ctx_BxLxHxK = kernel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, **extra)
+        if attention.length_shards() > 1:  # context parallelism: the sequence is split over devices
+            ctx_BxLxHxK = attention.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+        else:
+            extra = {"residual_name": remat.CONTEXT} if a.attention == "splash" else {}
+            ctx_BxLxHxK = attention.KERNELS[a.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, **extra)
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)
         return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain import loss, mesh as mesh_lib, moe
+from maxtrain import attention, loss, mesh as mesh_lib, moe
 from maxtrain.config import Config
 from maxtrain.data import BATCH_DTYPES
 from maxtrain.model import Decoder, ModelArgs
@@ -60,6 +60,17 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
         if model.args.capacity_factor > 0:
             aux["moe_dropped"] = jnp.mean(moe.collect(layers, "dropped")) * tokens
     return total * scale, aux
+
+
+def load_balancer(c: Config) -> Callable[[dict], dict]:
+    """Under context parallelism with context_parallel_load_balance, the batch in zigzag order along its
+    positions (attention.zigzag_order), every [B, L] array alike: each context shard gets the same
+    causal attention work, and the loss, a masked sum over positions, is the same number."""
+    shards = c.mesh_shape["context"]
+    if shards == 1 or not c.context_parallel_load_balance:
+        return lambda batch: batch
+    order = attention.zigzag_order(c.max_target_length, shards)
+    return lambda batch: {k: v[:, order] for k, v in batch.items()}
 
 
 @dataclasses.dataclass
@@ -129,8 +140,10 @@ def build(c: Config, mesh) -> Trainer:
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0,
                          compiler_options=cpu_compile)
-    eval_step = jax.jit(lambda params, batch: {k: v for k, v in loss_fn(params, model, batch, 0.0, c.loss_chunk_size)[1]
-                                               .items() if k in ("loss_sum", "tokens")},
+    balance = load_balancer(c)
+    eval_step = jax.jit(lambda params, batch: {k: v for k, v in loss_fn(params, model, balance(batch), 0.0,
+                                                                     c.loss_chunk_size)[1].items()
+                                               if k in ("loss_sum", "tokens")},
                         in_shardings=(param_shardings, batch_sharding), out_shardings=replicated,
                         compiler_options=cpu_compile)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -154,7 +167,10 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
             return jax.lax.with_sharding_constraint(x, micro_sharding)
         return jax.tree.map(split, batch)
 
+    balance = load_balancer(c)
+
     def step(state: TrainState, batch: dict):
+        batch = balance(batch)
         tokens = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
         if accum == 1:
             (_, aux), grads = grad_fn(state.params, batch=batch, scale=1.0 / tokens)

@@ -19,9 +19,9 @@ from maxtrain import config as config_lib, mesh as mesh_lib, moe
 from maxtrain.model import MLP, Decoder, ModelArgs, stack_layers, unstack_layers
 
 MOE = ("num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true")
-# Meshes of the 8 fake devices: (data, fsdp, expert, tensor).
-MESHES = {"expert1": (1, 8, 1, 1), "expert8": (1, 1, 8, 1), "expert4xfsdp2": (1, 2, 4, 1),
-          "expert2xtensor2xdata2": (2, 1, 2, 2)}
+# Meshes of the 8 fake devices: (data, fsdp, expert, context, tensor).
+MESHES = {"expert1": (1, 8, 1, 1, 1), "expert8": (1, 1, 8, 1, 1), "expert4xfsdp2": (1, 2, 4, 1, 1),
+          "expert2xtensor2xdata2": (2, 1, 2, 1, 2)}
 
 
 def mesh_overrides(shape):

@@ -16,6 +16,7 @@ REPO = TESTS.parent
 LAUNCH = str(REPO / "scripts" / "launch_local.sh")
 # Same math on the same devices, but the collectives run across processes: stated rtol 1e-5.
 RTOL = 1e-5
+TEXT = ("dataset_type=text", f"train_files={SHAKESPEARE}", "vocab_size=384")
 
 
 def launch(tmp_path, *args, timeout=600):
@@ -32,7 +33,12 @@ def losses(run_dir):
 @pytest.mark.parametrize("two_process,one_process", [
     (("ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2"), ("ici_fsdp_parallelism=8",)),
     (("ici_fsdp_parallelism=4", "dcn_data_parallelism=2"), ("ici_data_parallelism=2", "ici_fsdp_parallelism=4")),
-], ids=["fsdp8", "dcn_data2xfsdp4"])
+    (("ici_context_parallelism=4", "ici_fsdp_parallelism=1", "dcn_data_parallelism=1", "dcn_context_parallelism=2"),
+     ("ici_context_parallelism=8", "ici_fsdp_parallelism=1")),
+    # Text: the two processes split every row's positions, so both read the same documents.
+    (("ici_context_parallelism=4", "ici_fsdp_parallelism=1", "dcn_data_parallelism=1", "dcn_context_parallelism=2",
+      *TEXT), ("ici_context_parallelism=8", "ici_fsdp_parallelism=1", *TEXT)),
+], ids=["fsdp8", "dcn_data2xfsdp4", "dcn_context2xcontext4", "dcn_context2_text"])
 def test_two_processes_match_one(tmp_path, train_tiny, two_process, one_process):
     proc = launch(tmp_path, "run_name=multi", "steps=10", *two_process)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,113 @@
+"""Context parallelism: the `context` mesh axis splits each sequence's positions; training is the same."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain import attention, config as config_lib, mesh as mesh_lib, step as step_lib
+
+# Global batch 8 x 64 tokens in every run; fp32 on CPU, so collectives change only the order of sums.
+MODEL = ("base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8", "max_target_length=64")
+RTOL = 1e-5
+MESHES = {
+    "context2": ("ici_context_parallelism=2",),
+    "context8": ("ici_context_parallelism=8", "ici_fsdp_parallelism=1"),
+    "context4xfsdp2": ("ici_context_parallelism=4", "ici_fsdp_parallelism=2"),
+    "context2xtensor2xdata2": ("ici_context_parallelism=2", "ici_tensor_parallelism=2", "ici_data_parallelism=2",
+                               "ici_fsdp_parallelism=1"),
+}
+BALANCE = {"balanced": (), "unbalanced": ("context_parallel_load_balance=false",)}
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """A text file of short documents of many lengths: packed rows carry several segment ids each."""
+    rng = np.random.default_rng(0)
+    words = "the a of to and in that it was for on are with as his they be at one have this".split()
+    docs = [" ".join(rng.choice(words, size=rng.integers(1, 6))) for _ in range(400)]
+    path = tmp_path_factory.mktemp("docs") / "docs.txt"
+    path.write_text("\n\n".join(docs) + "\n")
+    return ("dataset_type=text", f"train_files={path}", "vocab_size=384")
+
+
+def reference_losses(tmp_path_factory, *overrides):
+    from maxtrain import train
+    devices = jax.devices()[:1]
+    c = train.load_config([str(__import__("conftest").TINY), *MODEL, *overrides, "per_device_batch_size=8",
+                           f"base_output_directory={tmp_path_factory.mktemp('one')}"], devices)
+    return train.train(c, devices)["losses"]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory, documents):
+    return {"synthetic": reference_losses(tmp_path_factory), "packed": reference_losses(tmp_path_factory, *documents)}
+
+
+@pytest.mark.parametrize("balance", BALANCE)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_the_same_losses_on_every_context_mesh(train_tiny, one_device, mesh, balance):
+    losses = train_tiny(*MODEL, *MESHES[mesh], *BALANCE[balance], "per_device_batch_size=1")["losses"]
+    np.testing.assert_allclose(losses, one_device["synthetic"], rtol=RTOL)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("mesh", ["context8", "context4xfsdp2"])
+def test_packed_documents_train_the_same(train_tiny, one_device, documents, mesh):
+    losses = train_tiny(*MODEL, *documents, *MESHES[mesh], "per_device_batch_size=1")["losses"]
+    np.testing.assert_allclose(losses, one_device["packed"], rtol=RTOL)
+
+
+def test_gradients_equal_the_unsharded_ones(tiny_config, documents):
+    """One packed batch, load-balanced over context 4 x fsdp 2: every parameter's gradient as on one device
+    (of the summed loss, float32: within 1e-4 relative or 1e-5 absolute)."""
+    def grads(devices, *mesh):
+        c = tiny_config(*MODEL, *documents, "per_device_batch_size=1", *mesh, devices=devices)
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+        from maxtrain import data
+        batch = next(iter(data.make_iterator(c, trainer.batch_sharding)))
+        params = trainer.init(jax.random.key(0)).params
+        balance = step_lib.load_balancer(c)
+        grad = jax.jit(jax.grad(lambda p, b: step_lib.loss_fn(p, trainer.model, balance(b))[0]))
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            return c, jax.tree.map(np.asarray, grad(params, batch)), np.asarray(batch["segment_ids"])
+    c, sharded, segments = grads(jax.devices(), *MESHES["context4xfsdp2"])
+    assert c.mesh_shape["context"] == 4 and segments.max() >= 4  # several documents a row
+    _, single, _ = grads(jax.devices()[:1], "per_device_batch_size=8")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), sharded, single)
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_the_load_balanced_layout_gives_every_shard_the_same_work(shards):
+    """Unmasked causal query-key pairs per context shard: equal in zigzag order, not in the plain one."""
+    length = 128
+
+    def pairs(order):
+        positions = jnp.asarray(order).reshape(shards, -1)  # shard i holds a contiguous run of places
+        return [int(np.sum(p[:, None] >= np.arange(length)[None, :])) for p in np.asarray(positions)]
+    balanced = pairs(attention.zigzag_order(length, shards))
+    assert len(set(balanced)) == 1 and sum(balanced) == length * (length + 1) // 2
+    assert len(set(pairs(np.arange(length)))) == shards
+    assert sorted(attention.zigzag_order(length, shards)) == list(range(length))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=24"),
+     "max_target_length: 24 does not split into 16 equal pieces"),
+    (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=20",
+      "context_parallel_load_balance=false"), "max_target_length: 20 does not split into 8 equal pieces"),
+    (("ici_context_parallelism=2", "attention=splash", "max_target_length=128"),
+     "attention: splash does not run under context parallelism yet"),
+    (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "per_device_batch_size=0.0625"),
+     "per_device_batch_size: 0.0625 x 8 devices is not a whole batch"),
+])
+def test_bad_context_settings_name_the_key(tiny_config, overrides, message):
+    with pytest.raises(config_lib.ConfigError) as err:
+        tiny_config(*overrides)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_fraction_of_a_sequence_per_device(tiny_config):
+    """per_device_batch_size 0.25 with context 4 x fsdp 2: 2 sequences, each over 4 devices."""
+    c = tiny_config("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "per_device_batch_size=0.25")
+    assert c.global_batch_size == 2 and c.mesh_shape["context"] == 4
