@@ -138,26 +138,46 @@ def length_shards() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not nn.get_logical_axis_rules():
         return 1
-    axes = nn.logical_to_mesh_axes(("length",))[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in _mesh_axes("length"))
 
 
 def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
     """Each device keeps its queries and gathers the whole sequence's keys and values (the all-gather
-    strategy of MaxText and torchtitan); GSPMD splits the scores by query. The causal mask compares
-    positions, not places, so a reordered sequence (zigzag_order) attends exactly as the original."""
-    b, length, h, k = q_BxLxHxK.shape
-    n = k_BxLxNxK.shape[2]
-    whole = ("batch", None, "kv_heads", "head_dim")  # length unsplit: all-gathered
-    k_BxLxNxK, v_BxLxNxK = (nn.with_logical_constraint(x, whole) for x in (k_BxLxNxK, v_BxLxNxK))
-    keys_BxL = [nn.with_logical_constraint(x, ("batch", None)) for x in (positions_BxL, segment_ids_BxL)]
-    mask_Bx1xLxM = ((positions_BxL[:, :, None] >= keys_BxL[0][:, None, :])
-                    & (segment_ids_BxL[:, :, None] == keys_BxL[1][:, None, :]))[:, None]
-    q_BxNxGxLxK = q_BxLxHxK.reshape(b, length, n, h // n, k).transpose(0, 2, 3, 1, 4)
-    ctx_BxNxGxLxK = _attend(q_BxNxGxLxK, k_BxLxNxK.transpose(0, 2, 1, 3), v_BxLxNxK.transpose(0, 2, 1, 3),
-                            mask_Bx1xLxM)
-    return ctx_BxNxGxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
+    strategy of MaxText and torchtitan), under shard_map: the attention itself is a device's local
+    computation, as without context parallelism. The causal mask compares positions, not places, so a
+    reordered sequence (zigzag_order) attends exactly as the original. (Left to GSPMD, XLA:CPU ran the
+    partitioned softmax's gradient several times slower.)"""
+    axes = {name: _mesh_axes(name) for name in ("batch", "length", "heads", "kv_heads")}
+    spec = lambda *names: PartitionSpec(*(axes[n] if n else None for n in names))  # noqa: E731
+    specs = (spec("batch", "length", "heads", None), spec("batch", "length", "kv_heads", None),
+             spec("batch", "length", "kv_heads", None), spec("batch", "length"), spec("batch", "length"))
+    args = (q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not all(_divides(s, x.shape, mesh) for s, x in zip(specs, args)):  # the batch-of-1 trace at init
+        return _attend_by_position(*args, segment_ids_BxL, positions_BxL)
+
+    def local(q_BxQxHxK, k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ):
+        gather = lambda x: jax.lax.all_gather(x, axes["length"], axis=1, tiled=True)  # noqa: E731
+        return _attend_by_position(q_BxQxHxK, *map(gather, (k_BxCxNxK, v_BxCxNxK)), segment_ids_BxQ, positions_BxQ,
+                                   *map(gather, (segment_ids_BxQ, positions_BxQ)))
+    return jax.shard_map(local, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+
+
+def _attend_by_position(q_BxQxHxK, k_BxMxNxK, v_BxMxNxK, segment_ids_BxQ, positions_BxQ, segments_BxM, keys_BxM):
+    """Queries against keys, causal by position and within documents."""
+    b, q, h, k = q_BxQxHxK.shape
+    n = k_BxMxNxK.shape[2]
+    mask_Bx1xQxM = ((positions_BxQ[:, :, None] >= keys_BxM[:, None, :])
+                    & (segment_ids_BxQ[:, :, None] == segments_BxM[:, None, :]))[:, None]
+    q_BxNxGxQxK = q_BxQxHxK.reshape(b, q, n, h // n, k).transpose(0, 2, 3, 1, 4)
+    ctx_BxNxGxQxK = _attend(q_BxNxGxQxK, k_BxMxNxK.transpose(0, 2, 1, 3), v_BxMxNxK.transpose(0, 2, 1, 3),
+                            mask_Bx1xQxM)
+    return ctx_BxNxGxQxK.transpose(0, 3, 1, 2, 4).reshape(b, q, h, k)
+
+
+def _mesh_axes(logical: str) -> tuple:
+    axes = nn.logical_to_mesh_axes((logical,))[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:

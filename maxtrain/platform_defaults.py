@@ -52,8 +52,8 @@ def auto_chunks(c: dict[str, Any]) -> None:
     sizes = {"loss_chunk_size": rows * length * c["vocab_size"] / shards("vocab") * 4,
              "mlp_chunk_size": rows * length * c["base_mlp_dim"] / shards("mlp") * itemsize}
     # An MoE layer chunks only when told: its memory goes to the gathered expert weights and their
-    # gradients, and chunks cost more than they save (Mixtral 8x7B on v5p-128: 17.6 GiB of temporaries
-    # with chunks of 2048, 15.6 without).
+    # gradients, and chunks cost more than they save (Mixtral 8x7B on v5p-128: 26.6 GiB of temporaries
+    # with chunks of 2048, 22.4 without; under libtpu 0.0.52, 17.6 and 15.6).
     c["moe_chunk_size"] = c["mlp_chunk_size"] if c["mlp_chunk_size"] != -1 else 0
     for key, (chunk, limit) in AUTO_CHUNKS.items():
         if c[key] == -1:
