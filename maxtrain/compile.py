@@ -68,7 +68,7 @@ def compile_for(c_static: config_lib.Config) -> int:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=spec, **slice_shape(spec),
                                         num_slices=c_static.compile_topology_num_slices)
     devices = desc.devices
-    c = config_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices), "tpu")
+    c = mesh_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices), "tpu")
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     hbm = hbm_per_chip * chips * c.compile_topology_num_slices / len(devices)  # per device
     advice = "try a larger ici_fsdp_parallelism, remat_policy=full, or a smaller per_device_batch_size"

@@ -43,7 +43,7 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
     if c.attention == "splash":  # the kernel's blocks need a multiple of 128; the tail is never attended
         total = -(-total // 128) * 128
     # The batch axis is sharded over data x fsdp: give every batch shard a (identical) row.
-    rows = math.prod(c.mesh_shape[a] for a in config_lib.mesh_axes_for(c.logical_axis_rules, "batch"))
+    rows = math.prod(c.mesh_shape[a] for a in mesh_lib.mesh_axes_for(c.logical_axis_rules, "batch"))
     buffer_RxT = np.zeros((rows, total), np.int32)
     buffer_RxT[:, :start] = prompt_ids
     buffer_RxT = jax.device_put(buffer_RxT, trainer.batch_sharding)

@@ -1,4 +1,5 @@
-"""Device mesh from the config, and logical-axis-name -> NamedSharding translation.
+"""The device mesh: its shape resolved from the config and the devices (with_devices), the device grid,
+and logical-axis-name -> NamedSharding translation.
 
 This is the only module that names mesh axes. Everything else speaks logical names.
 """
@@ -6,6 +7,8 @@ This is the only module that names mesh axes. Everything else speaks logical nam
 from __future__ import annotations
 
 import contextlib
+import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -13,7 +16,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxtrain.config import MESH_AXES, Config
+from maxtrain.config import MESH_AXES, Config, ConfigError
 
 
 def num_slices(devices=None) -> int:
@@ -72,3 +75,104 @@ def sharding_for(logical_axes: tuple, mesh: Mesh, rules: tuple) -> NamedSharding
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+# ---------------------------------------------------------------------------------------------
+# The mesh's shape for the actual devices, and what depends on it
+
+
+def _fill(group: str, sizes: dict[str, int], total: int) -> dict[str, int]:
+    known = math.prod(s for s in sizes.values() if s != -1)
+    fill = [a for a, s in sizes.items() if s == -1]
+    given = " x ".join(f"{a}={s}" for a, s in sizes.items())
+    if fill:
+        if total % known:
+            raise ConfigError(f"{group}_{fill[0]}_parallelism",
+                              f"cannot fill: {given} does not divide {total} {group} devices")
+        sizes = {**sizes, fill[0]: total // known}
+    elif known != total:
+        unit = "devices per slice" if group == "ici" else "slices"
+        raise ConfigError(f"{group}_*_parallelism",
+                          f"{given} has product {known}, but there are {total} {unit}")
+    return sizes
+
+
+def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform: str = "cpu") -> Config:
+    """Resolve the mesh and the platform defaults for the actual devices, and check everything that
+    depends on them."""
+    from maxtrain import platform_defaults  # it reads the mesh this function resolves
+
+    c = config.to_dict()
+    if num_devices % num_slices:
+        raise ConfigError("dcn_*_parallelism", f"{num_devices} devices do not split into {num_slices} slices")
+    ici = _fill("ici", {a: c[f"ici_{a}_parallelism"] for a in MESH_AXES}, num_devices // num_slices)
+    dcn = _fill("dcn", {a: c[f"dcn_{a}_parallelism"] for a in MESH_AXES}, num_slices)
+    shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
+
+    tensor = shape["tensor"]
+    for key in ("base_num_query_heads", "base_num_kv_heads"):
+        if c[key] % tensor:
+            raise ConfigError(key, f"{c[key]} is not divisible by the tensor axis ({tensor})")
+    if c["num_experts"] > 1:
+        _check_expert_sharding(c, shape)
+    pieces = shape["context"] * (2 if c["context_parallel_load_balance"] else 1)
+    if shape["context"] > 1 and c["max_target_length"] % pieces:
+        why = " x 2 (context_parallel_load_balance)" if pieces > shape["context"] else ""
+        raise ConfigError("max_target_length", f"{c['max_target_length']} does not split into {pieces} equal pieces: "
+                          f"the context axis ({shape['context']}){why}")
+
+    global_batch = c["per_device_batch_size"] * num_devices
+    if global_batch != int(global_batch) or global_batch < 1:
+        raise ConfigError("per_device_batch_size",
+                          f"{c['per_device_batch_size']} x {num_devices} devices is not a whole batch")
+    global_batch = int(global_batch)
+    batch_shards = math.prod(shape[a] for a in mesh_axes_for(c["logical_axis_rules"], "batch"))
+    accum = c["gradient_accumulation_steps"]
+    if global_batch % (batch_shards * accum):
+        raise ConfigError("per_device_batch_size",
+                          f"global batch {global_batch} must divide into {accum} micro-batches "
+                          f"each divisible by the {batch_shards} batch shards")
+
+    c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
+             mesh_shape=shape, global_batch_size=global_batch)
+    platform_defaults.resolve(c, platform)
+    if shape["context"] > 1 and c["attention"] == "splash":
+        raise ConfigError("attention", "splash does not run under context parallelism yet (the context axis is "
+                          f"{shape['context']}): set attention=blockwise, dot_product or jax_nn")
+    return Config(c)
+
+
+def _check_expert_sharding(c: dict[str, Any], shape: dict[str, int]) -> None:
+    """The experts run under shard_map, which splits evenly or not at all."""
+    rules = c["logical_axis_rules"]
+    experts, embed, mlp = spec_for(rules, ("experts", "embed", "moe_mlp"))
+    for key, size, axes in (("num_experts", c["num_experts"], experts), ("base_emb_dim", c["base_emb_dim"], embed),
+                            ("base_moe_mlp_dim", c["moe_mlp_dim"], mlp)):
+        shards = math.prod(shape[a] for a in axes)
+        if size % shards:
+            raise ConfigError(key, f"{size} is not divisible by the {' x '.join(axes)} axes ({shards}) the expert "
+                              f"weights are split over")
+    if math.prod(shape[a] for a in experts) > 1 and not set(experts) <= set(mesh_axes_for(rules, "batch")):
+        raise ConfigError("logical_axis_rules", "the mesh axes of `experts` must also split `batch` (tokens "
+                          "travel to their experts' devices)")
+
+
+def spec_for(rules: list, names: tuple[str, ...]) -> list[list[str]]:
+    """The mesh axes of each dimension of an array with logical `names`, as flax assigns them: rules in
+    order, each used only where its mesh axes are all still free."""
+    result: list[list[str] | None] = [None] * len(names)
+    for name, target in rules:
+        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
+        if name in names and result[names.index(name)] is None and not any(
+                a in used for used in result if used for a in axes):
+            result[names.index(name)] = axes
+    return [r or [] for r in result]
+
+
+def mesh_axes_for(rules: list, logical: str) -> list[str]:
+    """Mesh axes that a logical axis maps to (the first matching rule wins)."""
+    for name, target in rules:
+        if name == logical:
+            return [] if target is None else [target] if isinstance(target, str) else list(target)
+    return []
+

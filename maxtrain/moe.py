@@ -40,7 +40,7 @@ class MoEBlock(nn.Module):
         from maxtrain.model import MLP, dense_weight  # noqa: circular at import time only
 
         a = self.args
-        e, k, f = a.num_experts, a.experts_per_token, a.moe_mlp
+        e, f = a.num_experts, a.moe_mlp
         router_DxE = self.param("router", nn.with_logical_partitioning(
             nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), ("embed", None)),
             (a.embed, e), a.weight_dtype)
@@ -175,7 +175,6 @@ def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, expert
     k = experts_BxLxK.shape[-1]
     x_TxD = x_BxLxD.reshape(-1, d)
     experts_A = experts_BxLxK.reshape(-1)
-    token_A = jnp.arange(experts_A.shape[0]) // k
     local_experts = gate_GxDxF.shape[0]
 
     def swiglu(x, gmm):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from maxtrain.config import mesh_axes_for
+from maxtrain.mesh import mesh_axes_for
 
 
 def resolve(c: dict[str, Any], platform: str) -> None:
-    """Fills in the auto values of a config whose mesh is resolved (config.with_devices)."""
+    """Fills in the auto values of a config whose mesh is resolved (mesh.with_devices)."""
     if c["attention"] == "auto":
         c["attention"] = attention_for(platform, c["max_target_length"])
     if c["moe_grouped_matmul"] == "auto":  # see moe.grouped_matmul for why each

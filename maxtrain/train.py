@@ -53,7 +53,7 @@ def load_config(argv: list[str], devices=None) -> config_lib.Config:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     devices = devices or jax.devices()
-    return config_lib.with_devices(c, len(devices), mesh_lib.num_slices(devices), devices[0].platform)
+    return mesh_lib.with_devices(c, len(devices), mesh_lib.num_slices(devices), devices[0].platform)
 
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:

@@ -96,7 +96,7 @@ assert C.slice_shape(spec)["wrap"] == (True, True, True) and not any(C.slice_sha
 devices = topologies.get_topology_desc(platform="tpu", topology_name=spec, **C.slice_shape(spec)).devices
 c = config_lib.load([str(config_lib.BASE_YML), "ici_fsdp_parallelism=8", "ici_expert_parallelism=8",
                      "num_experts=8", "compile_topology=v5p-128"])
-mesh = mesh_lib.make_mesh(config_lib.with_devices(c, len(devices), 1, "tpu"), devices)
+mesh = mesh_lib.make_mesh(mesh_lib.with_devices(c, len(devices), 1, "tpu"), devices)
 print(dict(mesh.shape), len(set(mesh.devices.flat)))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
