@@ -33,9 +33,14 @@ def causal_document_mask(segment_ids_BxL, start: int = 0, stop: int | None = Non
     """[B, 1, Q, M] boolean for queries start..stop-1 against keys 0..stop-1 (default: all [B,1,L,L]):
     causal, and a token sees only its own document (segment)."""
     stop = segment_ids_BxL.shape[1] if stop is None else stop
-    causal_QxM = jnp.arange(start, stop)[:, None] >= jnp.arange(stop)[None, :]
-    same_doc_BxQxM = segment_ids_BxL[:, start:stop, None] == segment_ids_BxL[:, None, :stop]
-    return (causal_QxM & same_doc_BxQxM)[:, None]
+    return document_mask(jnp.arange(start, stop)[None], jnp.arange(stop)[None], segment_ids_BxL[:, start:stop],
+                         segment_ids_BxL[:, :stop])
+
+
+def document_mask(positions_BxQ, positions_BxM, segment_ids_BxQ, segment_ids_BxM):
+    """[B, 1, Q, M]: a query sees the keys at or before its position, in its own document."""
+    return ((positions_BxQ[:, :, None] >= positions_BxM[:, None, :])
+            & (segment_ids_BxQ[:, :, None] == segment_ids_BxM[:, None, :]))[:, None]
 
 
 def _attend(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM):
@@ -56,20 +61,25 @@ def blockwise(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
 
 
 def _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int):
-    """`block` queries at a time, each block against the keys up to its own end (block >= L: all at once).
+    """`block` queries at a time, each block against the keys up to its own end (block >= L: all at once)."""
+    length = q_BxLxHxK.shape[1]
+    return _attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [  # unrolled: each block sees a different number of keys
+        (start, min(start + block, length), causal_document_mask(segment_ids_BxL, start, min(start + block, length)))
+        for start in range(0, length, block)])
+
+
+def _attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks):
+    """Each (start, stop, mask [B,1,Q,keys]) of `blocks`: queries start..stop-1 against the first `keys` keys.
 
     q, k and v go head-major once, up front, so each einsum is a plain batched matmul over contiguous
     [L, K] rows. On CPU that made the attention's forward ~1.3x faster than einsums on [B,L,H,K], with
     the same bits."""
     b, length, h, k = q_BxLxHxK.shape
-    n = k_BxLxNxK.shape[2]
+    n = k_BxMxNxK.shape[2]
     q_BxNxGxLxK = q_BxLxHxK.reshape(b, length, n, h // n, k).transpose(0, 2, 3, 1, 4)
-    k_BxNxLxK, v_BxNxLxK = k_BxLxNxK.transpose(0, 2, 1, 3), v_BxLxNxK.transpose(0, 2, 1, 3)
-    ctx = []
-    for start in range(0, length, block):  # unrolled: each block sees a different number of keys
-        stop = min(start + block, length)
-        ctx.append(_attend(q_BxNxGxLxK[:, :, :, start:stop], k_BxNxLxK[:, :, :stop], v_BxNxLxK[:, :, :stop],
-                           causal_document_mask(segment_ids_BxL, start, stop)))
+    k_BxNxMxK, v_BxNxMxK = k_BxMxNxK.transpose(0, 2, 1, 3), v_BxMxNxK.transpose(0, 2, 1, 3)
+    ctx = [_attend(q_BxNxGxLxK[:, :, :, start:stop], k_BxNxMxK[:, :, :mask.shape[-1]], v_BxNxMxK[:, :, :mask.shape[-1]],
+                   mask) for start, stop, mask in blocks]
     ctx_BxNxGxLxK = jnp.concatenate(ctx, axis=3)
     return ctx_BxNxGxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
 
@@ -138,7 +148,8 @@ def length_shards() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not nn.get_logical_axis_rules():
         return 1
-    return math.prod(mesh.shape[a] for a in _mesh_axes("length"))
+    axes = nn.logical_to_mesh_axes(("length",))[0]
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
 
 
 def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
@@ -147,37 +158,21 @@ def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions
     computation, as without context parallelism. The causal mask compares positions, not places, so a
     reordered sequence (zigzag_order) attends exactly as the original. (Left to GSPMD, XLA:CPU ran the
     partitioned softmax's gradient several times slower.)"""
-    axes = {name: _mesh_axes(name) for name in ("batch", "length", "heads", "kv_heads")}
-    spec = lambda *names: PartitionSpec(*(axes[n] if n else None for n in names))  # noqa: E731
-    specs = (spec("batch", "length", "heads", None), spec("batch", "length", "kv_heads", None),
-             spec("batch", "length", "kv_heads", None), spec("batch", "length"), spec("batch", "length"))
+    q_spec, kv_spec, tokens = (PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in (
+        ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")))
+    specs = (q_spec, kv_spec, kv_spec, tokens, tokens)
     args = (q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
-    mesh = jax.sharding.get_abstract_mesh()
-    if not all(_divides(s, x.shape, mesh) for s, x in zip(specs, args)):  # the batch-of-1 trace at init
-        return _attend_by_position(*args, segment_ids_BxL, positions_BxL)
+    if not all(_divides(s, x.shape, jax.sharding.get_abstract_mesh()) for s, x in zip(specs, args)):
+        # the batch-of-1 trace at init, whose attention output is never used
+        return _attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [(0, q_BxLxHxK.shape[1], document_mask(
+            positions_BxL, positions_BxL, segment_ids_BxL, segment_ids_BxL))])
 
     def local(q_BxQxHxK, k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ):
-        gather = lambda x: jax.lax.all_gather(x, axes["length"], axis=1, tiled=True)  # noqa: E731
-        return _attend_by_position(q_BxQxHxK, *map(gather, (k_BxCxNxK, v_BxCxNxK)), segment_ids_BxQ, positions_BxQ,
-                                   *map(gather, (segment_ids_BxQ, positions_BxQ)))
-    return jax.shard_map(local, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
-
-
-def _attend_by_position(q_BxQxHxK, k_BxMxNxK, v_BxMxNxK, segment_ids_BxQ, positions_BxQ, segments_BxM, keys_BxM):
-    """Queries against keys, causal by position and within documents."""
-    b, q, h, k = q_BxQxHxK.shape
-    n = k_BxMxNxK.shape[2]
-    mask_Bx1xQxM = ((positions_BxQ[:, :, None] >= keys_BxM[:, None, :])
-                    & (segment_ids_BxQ[:, :, None] == segments_BxM[:, None, :]))[:, None]
-    q_BxNxGxQxK = q_BxQxHxK.reshape(b, q, n, h // n, k).transpose(0, 2, 3, 1, 4)
-    ctx_BxNxGxQxK = _attend(q_BxNxGxQxK, k_BxMxNxK.transpose(0, 2, 1, 3), v_BxMxNxK.transpose(0, 2, 1, 3),
-                            mask_Bx1xQxM)
-    return ctx_BxNxGxQxK.transpose(0, 3, 1, 2, 4).reshape(b, q, h, k)
-
-
-def _mesh_axes(logical: str) -> tuple:
-    axes = nn.logical_to_mesh_axes((logical,))[0]
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        gather = lambda x: jax.lax.all_gather(x, tokens[1], axis=1, tiled=True)  # noqa: E731
+        mask_Bx1xQxM = document_mask(positions_BxQ, gather(positions_BxQ), segment_ids_BxQ, gather(segment_ids_BxQ))
+        return _attend_blocks(q_BxQxHxK, gather(k_BxCxNxK), gather(v_BxCxNxK),
+                              [(0, q_BxQxHxK.shape[1], mask_Bx1xQxM)])
+    return jax.shard_map(local, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:
