@@ -15,6 +15,7 @@ Under context parallelism (the `context` mesh axis splits `length`) every kernel
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -43,13 +44,45 @@ def document_mask(positions_BxQ, positions_BxM, segment_ids_BxQ, segment_ids_BxM
             & (segment_ids_BxQ[:, :, None] == segment_ids_BxM[:, None, :]))[:, None]
 
 
+@jax.custom_vjp
 def _attend(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM):
-    """Softmax attention of Q queries over M keys, scores and softmax in float32 (head-major layouts)."""
+    """Softmax attention of Q queries over M keys, scores and softmax in float32 (head-major layouts).
+
+    Its gradient is flash attention's: the probabilities recomputed from q, k and the saved log-sum-exp,
+    and the softmax's backward through rowsum(d_out * out) rather than a sum over the [Q, M] scores.
+    Autodiff's form fused that sum with the [Q, M] matmul into one XLA:CPU fusion that took a quarter of
+    a context-parallel step."""
+    return _attend_fwd(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM)[0]
+
+
+def _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM):
     scores_BxNxGxQxM = jnp.einsum("bngqk,bnmk->bngqm", q_BxNxGxQxK, k_BxNxMxK,
                                   preferred_element_type=jnp.float32) * q_BxNxGxQxK.shape[-1] ** -0.5
-    scores_BxNxGxQxM = jnp.where(mask_Bx1xQxM[:, :, None], scores_BxNxGxQxM, -1e30)
-    probs_BxNxGxQxM = jax.nn.softmax(scores_BxNxGxQxM, axis=-1).astype(v_BxNxMxK.dtype)
-    return jnp.einsum("bngqm,bnmk->bngqk", probs_BxNxGxQxM, v_BxNxMxK)
+    return jnp.where(mask_Bx1xQxM[:, :, None], scores_BxNxGxQxM, -1e30)
+
+
+def _attend_fwd(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM):
+    scores_BxNxGxQxM = _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM)
+    log_z_BxNxGxQ = jax.nn.logsumexp(scores_BxNxGxQxM, axis=-1)
+    probs_BxNxGxQxM = jnp.exp(scores_BxNxGxQxM - log_z_BxNxGxQ[..., None]).astype(v_BxNxMxK.dtype)
+    out_BxNxGxQxK = jnp.einsum("bngqm,bnmk->bngqk", probs_BxNxGxQxM, v_BxNxMxK)
+    return out_BxNxGxQxK, (q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, out_BxNxGxQxK, log_z_BxNxGxQ)
+
+
+def _attend_bwd(residuals, d_out_BxNxGxQxK):
+    q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, out_BxNxGxQxK, log_z_BxNxGxQ = residuals
+    probs_BxNxGxQxM = jnp.exp(_scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM) - log_z_BxNxGxQ[..., None])
+    d_v_BxNxMxK = jnp.einsum("bngqm,bngqk->bnmk", probs_BxNxGxQxM.astype(v_BxNxMxK.dtype), d_out_BxNxGxQxK)
+    d_probs_BxNxGxQxM = jnp.einsum("bngqk,bnmk->bngqm", d_out_BxNxGxQxK, v_BxNxMxK, preferred_element_type=jnp.float32)
+    rowsum_BxNxGxQ = jnp.sum(d_out_BxNxGxQxK.astype(jnp.float32) * out_BxNxGxQxK.astype(jnp.float32), axis=-1)
+    d_scores_BxNxGxQxM = (probs_BxNxGxQxM * (d_probs_BxNxGxQxM - rowsum_BxNxGxQ[..., None])
+                          * q_BxNxGxQxK.shape[-1] ** -0.5).astype(q_BxNxGxQxK.dtype)
+    d_q_BxNxGxQxK = jnp.einsum("bngqm,bnmk->bngqk", d_scores_BxNxGxQxM, k_BxNxMxK)
+    d_k_BxNxMxK = jnp.einsum("bngqm,bngqk->bnmk", d_scores_BxNxGxQxM, q_BxNxGxQxK)
+    return d_q_BxNxGxQxK, d_k_BxNxMxK, d_v_BxNxMxK, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
@@ -89,27 +122,64 @@ def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
                                         mask=causal_document_mask(segment_ids_BxL))
 
 
-def _splash_local(q_BxHxLxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxL, residual_name):
-    """Splash on the arrays one device holds (heads and batch already split by shard_map)."""
+def _splash_kernel(places, residual_name, heads: int, q_shards: int = 1):
+    """Splash for queries at `places` of the sequence (len(places) of them) against the whole sequence's
+    keys in order, causal; q_shards > 1: the queries split into that many contiguous shards over devices,
+    each against all the keys (context parallelism)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-    _, h, length, k = q_BxHxLxK.shape
-    block = min(512, length)
+    length = len(places)
+    per_shard = length // q_shards
+    block = next((b for b in (512, 256, 128) if per_shard % b == 0), per_shard)  # tests: any small size
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                               block_kv_dq=block)
-    kernel = splash.make_splash_mha(
-        masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(h)]), block_sizes=sizes,
-        head_shards=1, q_seq_shards=1, residual_checkpoint_name=residual_name,
-        interpret=jax.devices()[0].platform != "tpu")
-    segments = splash.SegmentIds(q=segment_ids_BxL, kv=segment_ids_BxL)
-    return jax.vmap(kernel)(q_BxHxLxK * k ** -0.5, k_BxNxLxK, v_BxNxLxK, segment_ids=segments)
+    mask = _placed_causal_mask_type()((length, length), places)
+    return splash.make_splash_mha(
+        masks.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=q_shards,
+        residual_checkpoint_name=residual_name, interpret=_platform() != "tpu")
 
 
-def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None):
-    to_heads_major = lambda x: x.swapaxes(1, 2)  # noqa: E731  [B,L,H,K] -> [B,H,L,K]
-    args = (to_heads_major(q_BxLxHxK), to_heads_major(k_BxLxNxK), to_heads_major(v_BxLxNxK), segment_ids_BxL)
-    local = lambda q, k, v, s: _splash_local(q, k, v, s, residual_name)  # noqa: E731
+def _platform() -> str:
+    """The platform the step is traced for: the mesh's devices (TPU ones under an ahead-of-time compile
+    for a topology, from a CPU process), else this process's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
+
+
+@functools.cache
+def _placed_causal_mask_type():
+    """Built on first use, as splash is imported: importing Pallas costs every start ~0.1 s."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    class PlacedCausalMask(masks.CausalMask):
+        """Causal, for queries at the given places of the sequence (q_sequence: the kernel computes the
+        mask from it on the chip). Blocks wholly above or below the diagonal are answered without
+        comparing each pair: building the block map for 131,072 tokens took a minute that way."""
+
+        def __init__(self, shape, places):
+            super().__init__(shape)
+            self.q_sequence = np.asarray(places, np.int32)
+
+        def __getitem__(self, idx):
+            rows, cols = idx
+            places = self.q_sequence[rows]
+            start, stop = cols.start or 0, self.shape[1] if cols.stop is None else cols.stop
+            if places.min() >= stop - 1 or places.max() < start:
+                return np.full((len(places), stop - start), places.min() >= stop - 1)
+            return places[:, None] >= np.arange(start, stop)[None, :]
+
+    return PlacedCausalMask
+
+
+def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None, balanced=False):
+    """Under context parallelism each device runs the kernel for its queries against the whole
+    sequence's keys and values, gathered and put back in sequence order (`balanced`: the batch is in
+    zigzag_order, so each device's queries sit at those places)."""
+    b, length, h, k = q_BxLxHxK.shape
+    to_heads_major = lambda x: x.swapaxes(1, 2)  # noqa: E731  [B,L,H,K] <-> [B,H,L,K]
+    args = (to_heads_major(q_BxLxHxK) * k ** -0.5, to_heads_major(k_BxLxNxK), to_heads_major(v_BxLxNxK),
+            segment_ids_BxL)
     mesh = jax.sharding.get_abstract_mesh()
     specs = None
     if not mesh.empty and nn.get_logical_axis_rules():
@@ -118,11 +188,42 @@ def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None)
             ("batch", "kv_heads", "length", "head_dim"), ("batch", "length"))]
         if not all(_divides(spec, x.shape, mesh) for spec, x in zip(specs, args)):
             specs = None  # e.g. the batch-of-1 trace at init, whose attention output is never used
+    shards = length_shards() if specs else 1
+    places = zigzag_order(length, shards) if balanced and shards > 1 else np.arange(length)
+    kernel = _splash_kernel(places, residual_name, h, shards)
     if specs is None:
-        return to_heads_major(local(*args))
-    # A Pallas kernel is not partitioned by XLA: run it on each shard (batch and heads split).
-    out_BxHxLxK = jax.shard_map(local, in_specs=tuple(specs), out_specs=specs[0], check_vma=False)(*args)
+        return to_heads_major(_run_splash(kernel, *args))
+    length_axes = specs[3][1]
+
+    def local(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ):
+        if shards == 1:
+            return _run_splash(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ)
+        gather = lambda x, axis: jax.lax.all_gather(x, length_axes, axis=axis, tiled=True)  # noqa: E731
+        k_BxNxLxK, v_BxNxLxK, segment_ids_BxL = gather(k_BxNxCxK, 2), gather(v_BxNxCxK, 2), gather(segment_ids_BxQ, 1)
+        if balanced:  # back to sequence order
+            k_BxNxLxK, v_BxNxLxK = _unzigzag(k_BxNxLxK, 2, shards), _unzigzag(v_BxNxLxK, 2, shards)
+            segment_ids_BxL = _unzigzag(segment_ids_BxL, 1, shards)
+        return _run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL)
+
+    # A Pallas kernel is not partitioned by XLA: run it on each shard (batch, heads and queries split);
+    # the kernel's block map travels with it, each device taking its queries' rows.
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, PartitionSpec(None, length_axes)))
+    out_BxHxLxK = jax.shard_map(local, in_specs=(kernel_spec, *specs), out_specs=specs[0],
+                                check_vma=False)(kernel, *args)
     return to_heads_major(out_BxHxLxK)
+
+
+def _run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL=None):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    segment_ids_BxL = segment_ids_BxQ if segment_ids_BxL is None else segment_ids_BxL
+    return jax.vmap(kernel)(q_BxHxQxK, k_BxNxLxK, v_BxNxLxK,
+                            segment_ids=splash.SegmentIds(q=segment_ids_BxQ, kv=segment_ids_BxL))
+
+
+def _unzigzag(x, axis: int, shards: int):
+    """An array laid out in zigzag_order along `axis`, in sequence order: its 2 x shards chunks reordered."""
+    chunks = jnp.split(x, 2 * shards, axis=axis)
+    return jnp.concatenate([chunks[i] for i in np.argsort(zigzag_order(2 * shards, shards))], axis=axis)
 
 
 def _divides(spec: PartitionSpec, shape, mesh) -> bool:

@@ -135,10 +135,15 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
 
     c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
              mesh_shape=shape, global_batch_size=global_batch)
+    share = c["max_target_length"] // shape["context"]
+    for key in ("loss_chunk_size", "mlp_chunk_size"):
+        if c[key] > 0 and share % c[key]:
+            raise ConfigError(key, f"{c[key]} must divide each device's share of the sequence: max_target_length "
+                              f"{c['max_target_length']} / context {shape['context']} = {share}")
     platform_defaults.resolve(c, platform)
-    if shape["context"] > 1 and c["attention"] == "splash":
-        raise ConfigError("attention", "splash does not run under context parallelism yet (the context axis is "
-                          f"{shape['context']}): set attention=blockwise, dot_product or jax_nn")
+    if c["attention"] == "splash" and share % 128:
+        raise ConfigError("attention", f"splash needs each device's share of the sequence in blocks of 128: "
+                          f"max_target_length {c['max_target_length']} / context {shape['context']} = {share}")
     return Config(c)
 
 

@@ -9,12 +9,14 @@ N kv heads, G query heads per kv head, K head dim, F mlp, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from maxtrain import attention, moe, remat
 
@@ -42,6 +44,7 @@ class ModelArgs:
     mlp_chunk: int  # 0 = the whole sequence at once
     moe_chunk: int  # the same for an MoE layer
     attention: str
+    context_load_balance: bool  # under context parallelism the batch is in attention.zigzag_order
     logits_dot_in_fp32: bool
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
     # Mixture of experts (maxtrain.moe); num_experts 1 = a dense model
@@ -69,7 +72,8 @@ class ModelArgs:
             qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
             scan_layers=c.scan_layers, remat_policy=c.remat_policy, mlp_chunk=c.mlp_chunk_size,
             moe_chunk=c.get("moe_chunk_size", 0),
-            attention=c.attention, logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
+            attention=c.attention, context_load_balance=c.context_parallel_load_balance,
+            logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
             num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_mlp=c.moe_mlp_dim,
             shared_experts=c.shared_experts, first_dense_layers=c.first_num_dense_layers,
             capacity_factor=c.capacity_factor, routed_score_func=c.routed_score_func,
@@ -169,11 +173,13 @@ class Attention(nn.Module):
                               ("batch", "length", "kv_heads", "head_dim"))
         v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-        if attention.length_shards() > 1:  # context parallelism: the sequence is split over devices
+        if a.attention == "splash":
+            ctx_BxLxHxK = attention.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
+                                           a.context_load_balance)
+        elif attention.length_shards() > 1:  # context parallelism: the sequence is split over devices
             ctx_BxLxHxK = attention.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
         else:
-            extra = {"residual_name": remat.CONTEXT} if a.attention == "splash" else {}
-            ctx_BxLxHxK = attention.KERNELS[a.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, **extra)
+            ctx_BxLxHxK = attention.KERNELS[a.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)
         return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT)
 
@@ -217,8 +223,8 @@ class MLP(nn.Module):
             h_BxCxF = constrain(nn.silu(gate_BxCxF) * up_BxCxF, ("batch", "length", "mlp"))
             return checkpoint_name(matmul(h_BxCxF, down_FxD), remat.MLP_OUT)
 
-        length = x_BxLxD.shape[1]
-        if not a.mlp_chunk or length % a.mlp_chunk or length == a.mlp_chunk:
+        share = x_BxLxD.shape[1] // attention.length_shards()  # each device's positions
+        if not a.mlp_chunk or share % a.mlp_chunk or share == a.mlp_chunk:
             return mlp(x_BxLxD)
         # Long sequences: `mlp_chunk` positions at a time, each chunk rematerialized under the layer's
         # policy, so the [B,L,F] intermediates (and their gradients) exist one chunk at a time.
@@ -258,8 +264,7 @@ class Decoder(nn.Module):
 
         embed_init = nn.with_logical_partitioning(nn.initializers.normal(a.embed ** -0.5), ("vocab", "embed"))
         embedding_VxD = self.param("embedding", embed_init, (a.vocab, a.embed), a.weight_dtype)
-        x_BxLxD = constrain(jnp.take(embedding_VxD, tokens_BxL, axis=0).astype(a.dtype),
-                            ("batch", "length", "embed"))
+        x_BxLxD = embed(embedding_VxD, tokens_BxL, a.dtype)
 
         layer = DecoderLayer
         policy = remat.POLICIES[a.remat_policy]
@@ -297,16 +302,52 @@ def output_logits(x_BxLxD, out_DxV, dot_in_fp32: bool):
     return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV).astype(jnp.float32)
 
 
-def split_chunks(x_BxL, chunk: int):
-    """[B, L, ...] -> [L/chunk, B, chunk, ...]: chunks of positions for a scan or map to walk through."""
+def embed(embedding_VxD, tokens_BxL, dtype):
+    """The table's rows for the tokens, in `dtype`. Under a mesh that splits the table's columns
+    (fsdp), each device looks up the tokens of all the devices sharing the table in the columns it
+    holds, then takes back its own tokens' whole rows (an all-to-all the size of the result): the
+    table never moves, and its gradient is a float32 scatter-add into each device's own columns. Left
+    to GSPMD (llama3-8b, 131,072 tokens, context 16) XLA added into a whole [V, D] float32 table: 4 GiB."""
+    mesh = jax.sharding.get_abstract_mesh()
+    lookup = lambda table_VxE, tokens: jnp.take(table_VxE, tokens, axis=0).astype(dtype)  # noqa: E731
+    if mesh.empty or not nn.get_logical_axis_rules():
+        return lookup(embedding_VxD, tokens_BxL)
+    token_spec = PartitionSpec(*nn.logical_to_mesh_axes(("batch", "length")))
+    column_axes = nn.logical_to_mesh_axes(("vocab", "embed"))[1]
+    column_axes = (column_axes,) if isinstance(column_axes, str) else tuple(column_axes or ())
+    token_shards = [math.prod(mesh.shape[a] for a in ((x,) if isinstance(x, str) else x or ())) for x in token_spec]
+    if not column_axes or any(n % k for n, k in zip(tokens_BxL.shape, token_shards)):
+        return constrain(lookup(embedding_VxD, tokens_BxL), ("batch", "length", "embed"))
+
+    def local(table_VxE, tokens_BxL):
+        all_tokens_T = jax.lax.all_gather(tokens_BxL.reshape(-1), column_axes, tiled=True)
+        rows_TxE = lookup(table_VxE, all_tokens_T)
+        rows_BLxD = jax.lax.all_to_all(rows_TxE, column_axes, 0, 1, tiled=True)
+        return rows_BLxD.reshape(*tokens_BxL.shape, -1)
+    return jax.shard_map(local, in_specs=(PartitionSpec(None, column_axes), token_spec),
+                         out_specs=PartitionSpec(*token_spec, None), check_vma=False)(embedding_VxD, tokens_BxL)
+
+
+def split_chunks(x_BxL, chunk: int, shards: int | None = None):
+    """[B, L, ...] -> [N, B, C, ...]: chunks of positions for a scan or map to walk through, `chunk` of
+    each device's positions in each (at most all of them). Under context parallelism (L split over S
+    devices; default: as the active mesh splits `length`) a chunk takes `chunk` positions from every
+    device's share (C = S x chunk), so each device works on its own positions at every step;
+    contiguous chunks would each live on one device."""
     b, length = x_BxL.shape[:2]
-    return x_BxL.reshape(b, length // chunk, chunk, *x_BxL.shape[2:]).swapaxes(0, 1)
+    shards = attention.length_shards() if shards is None else shards
+    chunk = min(chunk, length // shards)
+    x_BxSxNxC = x_BxL.reshape(b, shards, length // shards // chunk, chunk, *x_BxL.shape[2:])
+    x_NxBxSxC = jnp.moveaxis(x_BxSxNxC, 2, 0)
+    return x_NxBxSxC.reshape(x_NxBxSxC.shape[0], b, shards * chunk, *x_BxL.shape[2:])
 
 
-def merge_chunks(x_NxBxC):
+def merge_chunks(x_NxBxC, shards: int | None = None):
     """The inverse of split_chunks."""
-    n, b, chunk = x_NxBxC.shape[:3]
-    return x_NxBxC.swapaxes(0, 1).reshape(b, n * chunk, *x_NxBxC.shape[3:])
+    n, b, c = x_NxBxC.shape[:3]
+    shards = attention.length_shards() if shards is None else shards
+    x_NxBxSxC = x_NxBxC.reshape(n, b, shards, c // shards, *x_NxBxC.shape[3:])
+    return jnp.moveaxis(x_NxBxSxC, 0, 2).reshape(b, n * c, *x_NxBxC.shape[3:])
 
 
 def unstack_layers(params: dict, args: ModelArgs) -> dict:

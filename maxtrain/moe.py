@@ -22,10 +22,11 @@ import flax.linen as nn
 from flax import traverse_util
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxtrain import remat
+from maxtrain import attention, remat
 
 # Logical names of the expert weights' dimensions and of the activations the block reads.
 EXPERT_WEIGHT_AXES = ("experts", "embed", "moe_mlp")
@@ -88,7 +89,12 @@ class MoEBlock(nn.Module):
         self.sow("intermediates", "lb_loss", e * jnp.sum(counts_E / tokens * jnp.mean(probs_BxLxE, axis=(0, 1))))
         self.sow("intermediates", "z_loss", jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxE, axis=-1))))
         if a.capacity_factor > 0:
-            keep_BxLxK = within_capacity(experts_BxLxK, e, capacity(a, x_BxLxD.shape[1]))
+            length, shards = x_BxLxD.shape[1], attention.length_shards()
+            if a.context_load_balance and shards > 1:  # "first" by position: the batch is in zigzag order
+                places = attention.zigzag_order(length, shards)
+                keep_BxLxK = within_capacity(experts_BxLxK[:, np.argsort(places)], e, capacity(a, length))[:, places]
+            else:
+                keep_BxLxK = within_capacity(experts_BxLxK, e, capacity(a, length))
             self.sow("intermediates", "dropped", 1.0 - jnp.mean(keep_BxLxK.astype(jnp.float32)))
             experts_BxLxK = jnp.where(keep_BxLxK, experts_BxLxK, e)
         return weights_BxLxK, experts_BxLxK
@@ -130,8 +136,9 @@ def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, 
     """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh by shard_map; with
     `chunk`, that many positions at a time, each chunk rematerialized under `policy`."""
     mesh = jax.sharding.get_abstract_mesh()
-    batch_axes, _, _ = _mesh_axes(ACTIVATION_AXES)
-    if mesh.empty or mesh.size == 1 or x_BxLxD.shape[0] % math.prod(mesh.shape[a] for a in batch_axes):
+    batch_axes, length_axes, _ = _mesh_axes(ACTIVATION_AXES)
+    splits = math.prod(mesh.shape[a] for a in batch_axes), math.prod(mesh.shape[a] for a in length_axes)
+    if mesh.empty or mesh.size == 1 or x_BxLxD.shape[0] % splits[0] or x_BxLxD.shape[1] % splits[1]:
         # one device, or a batch the mesh cannot split (the init's shape probe, generating one sequence):
         # the same computation for GSPMD to place
         return _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights, expert_axes=(), embed_axes=(),
@@ -139,7 +146,7 @@ def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, 
     expert_axes, embed_axes, mlp_axes = _mesh_axes(EXPERT_WEIGHT_AXES)
     local = functools.partial(_local_expert_mlp, expert_axes=expert_axes, embed_axes=embed_axes,
                               mlp_axes=mlp_axes, cap=cap, matmul=matmul, chunk=chunk, policy=policy)
-    tokens = PartitionSpec(batch_axes or None)
+    tokens = PartitionSpec(batch_axes or None, length_axes or None)  # context parallelism: each its positions
     weight_spec = PartitionSpec(expert_axes or None, embed_axes or None, mlp_axes or None)
     down_spec = PartitionSpec(expert_axes or None, mlp_axes or None, embed_axes or None)
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, weight_spec, weight_spec, down_spec),
@@ -160,8 +167,8 @@ def _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, gate_GxDxF, up_GxDx
         from maxtrain.model import merge_chunks, split_chunks
         if policy != "none":
             run = jax.checkpoint(run, policy=remat.POLICIES[policy])
-        chunks = [split_chunks(z, chunk) for z in (x_BxLxD, experts_BxLxK, weights_BxLxK)]
-        y_BxLxD = merge_chunks(jax.lax.map(lambda c: run(*c), chunks))
+        chunks = [split_chunks(z, chunk, shards=1) for z in (x_BxLxD, experts_BxLxK, weights_BxLxK)]  # local
+        y_BxLxD = merge_chunks(jax.lax.map(lambda c: run(*c), chunks), shards=1)
     if mlp_axes:  # tensor parallel: each device holds a slice of every expert's width
         y_BxLxD = jax.lax.psum(y_BxLxD, mlp_axes)
     return y_BxLxD

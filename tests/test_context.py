@@ -58,6 +58,18 @@ def test_packed_documents_train_the_same(train_tiny, one_device, documents, mesh
     np.testing.assert_allclose(losses, one_device["packed"], rtol=RTOL)
 
 
+@pytest.mark.parametrize("balance", BALANCE)
+@pytest.mark.parametrize("mesh", ["context2", "context2xtensor2xdata2"])
+def test_splash_under_context_parallelism_trains_the_same(train_tiny, tmp_path_factory, documents, mesh, balance):
+    """The Pallas kernel (interpret mode on CPU) on each device's queries against the gathered keys, its
+    block map split by query shard; packed documents, so the segment ids travel too. 256 tokens: splash
+    takes each device's share in blocks of 128."""
+    splash = (*MODEL, *documents, "max_target_length=256", "steps=3")
+    losses = train_tiny(*splash, *MESHES[mesh], *BALANCE[balance], "per_device_batch_size=1",
+                        "attention=splash")["losses"]
+    np.testing.assert_allclose(losses, reference_losses(tmp_path_factory, *splash), rtol=RTOL)
+
+
 def test_gradients_equal_the_unsharded_ones(tiny_config, documents):
     """One packed batch, load-balanced over context 4 x fsdp 2: every parameter's gradient as on one device
     (of the summed loss, float32: within 1e-4 relative or 1e-5 absolute)."""
@@ -96,8 +108,11 @@ def test_the_load_balanced_layout_gives_every_shard_the_same_work(shards):
      "max_target_length: 24 does not split into 16 equal pieces"),
     (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=20",
       "context_parallel_load_balance=false"), "max_target_length: 20 does not split into 8 equal pieces"),
-    (("ici_context_parallelism=2", "attention=splash", "max_target_length=128"),
-     "attention: splash does not run under context parallelism yet"),
+    (("ici_context_parallelism=4", "attention=splash", "max_target_length=256"),
+     "attention: splash needs each device's share of the sequence in blocks of 128: max_target_length 256 / "
+     "context 4 = 64"),
+    (("ici_context_parallelism=4", "loss_chunk_size=16"),
+     "loss_chunk_size: 16 must divide each device's share of the sequence: max_target_length 32 / context 4 = 8"),
     (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "per_device_batch_size=0.0625"),
      "per_device_batch_size: 0.0625 x 8 devices is not a whole batch"),
 ])
@@ -111,3 +126,33 @@ def test_a_fraction_of_a_sequence_per_device(tiny_config):
     """per_device_batch_size 0.25 with context 4 x fsdp 2: 2 sequences, each over 4 devices."""
     c = tiny_config("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "per_device_batch_size=0.25")
     assert c.global_batch_size == 2 and c.mesh_shape["context"] == 4
+
+
+def test_chunked_loss_and_mlp_train_the_same(train_tiny, one_device):
+    """Loss and MLP chunks of 8 of each device's 16 positions (context 4): each chunk takes positions from
+    every device's share, and the losses are those of one device."""
+    losses = train_tiny(*MODEL, *MESHES["context4xfsdp2"], "per_device_batch_size=1", "loss_chunk_size=8",
+                        "mlp_chunk_size=8")["losses"]
+    np.testing.assert_allclose(losses, one_device["synthetic"], rtol=RTOL)
+
+
+@pytest.mark.parametrize("capacity", ["capacity_factor=-1", "capacity_factor=1.0"])
+def test_mixture_of_experts_under_context_parallelism(train_tiny, tmp_path_factory, capacity):
+    """The experts' shard_map takes each device's own positions; the capacity rule still counts per
+    sequence and in order of position (not of the load-balanced layout): the losses of one device,
+    dropless and with drops."""
+    moe = (*MODEL, "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", capacity)
+    losses = train_tiny(*moe, *MESHES["context4xfsdp2"], "per_device_batch_size=1")["losses"]
+    np.testing.assert_allclose(losses, reference_losses(tmp_path_factory, *moe), rtol=RTOL)
+
+
+def test_splash_block_map_of_the_load_balanced_layout():
+    """The mask splash builds its block map from (its shortcut for whole blocks above or below the
+    diagonal) equals the plain comparison of places, block by block."""
+    places = attention.zigzag_order(64, 4)
+    mask = attention._placed_causal_mask_type()((64, 64), places)
+    for rows in range(0, 64, 16):
+        for cols in range(0, 64, 16):
+            want = places[rows:rows + 16, None] >= np.arange(cols, cols + 16)[None, :]
+            np.testing.assert_array_equal(mask[slice(rows, rows + 16), slice(cols, cols + 16)], want)
+    assert mask[slice(0, 8), slice(56, 64)].sum() == 0 and mask[slice(56, 64), slice(0, 8)].all()

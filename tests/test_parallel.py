@@ -78,3 +78,35 @@ def test_splash_attention_under_shard_map_trains_like_dot_product(train_tiny):
     plain = train_tiny(*mesh, "run_name=plain", "attention=dot_product")["losses"]
     splash = train_tiny(*mesh, "run_name=splash", "attention=splash")["losses"]
     np.testing.assert_allclose(splash, plain, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [
+    ("ici_fsdp_parallelism=8",),
+    ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+    ("ici_context_parallelism=4", "ici_fsdp_parallelism=2"),
+    ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "num_experts=4"),
+], ids=["fsdp8", "data2xfsdp2xtensor2", "context4xfsdp2", "data2xfsdp2xexpert2"])
+def test_embedding_lookup_and_its_gradient_match_one_device(tiny_config, mesh):
+    """model.embed (each device looks up every token in its columns of the table, then an all-to-all)
+    gives the rows and the table gradient of a plain take."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    import flax.linen as nn
+    from maxtrain import model
+    c = tiny_config(*mesh, "per_device_batch_size=1", "max_target_length=64")
+    mesh_ = mesh_lib.make_mesh(c)
+    table = jax.random.normal(jax.random.key(0), (c.vocab_size, c.base_emb_dim))
+    tokens = jax.random.randint(jax.random.key(1), (8, 64), 0, c.vocab_size)
+    cotangent = jax.random.normal(jax.random.key(2), (8, 64, c.base_emb_dim))
+
+    def loss(t, tok):
+        return jnp.sum(model.embed(t, tok, jnp.float32) * cotangent)
+    want_loss, want_grad = jax.value_and_grad(loss)(table, tokens)
+    with mesh_lib.activate(mesh_, mesh_lib.axis_rules(c)):
+        place = lambda x, axes: jax.device_put(x, NamedSharding(mesh_, PartitionSpec(*nn.logical_to_mesh_axes(axes))))  # noqa: E731
+        table_, tokens_ = place(table, ("vocab", "embed")), place(tokens, ("batch", "length"))
+        step = jax.jit(jax.value_and_grad(loss))
+        got_loss, got_grad = step(table_, tokens_)
+        assert "all_to_all" in step.lower(table_, tokens_).as_text()
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    np.testing.assert_allclose(got_grad, want_grad, atol=1e-5)
