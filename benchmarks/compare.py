@@ -49,6 +49,12 @@ MEDIUM = ["base_num_decoder_layers=8", "base_emb_dim=512", "base_num_query_heads
           "head_dim=64", "base_mlp_dim=2048", "max_target_length=512", "vocab_size=32000",
           "dtype=bfloat16", "weight_dtype=float32", "remat_policy=full", "scan_layers=true",
           "logits_dot_in_fp32=false"]
+# Issue #26's tiny shape (character-level Shakespeare's: ~1.2M parameters, 12 x 64 tokens, vocab 384).
+# remat full as the other rows: MaxText 0.2.4 reads remat_policy=none as nn.remat with no policy, which
+# is full remat too.
+TINY = ["base_num_decoder_layers=4", "base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=4",
+        "head_dim=32", "base_mlp_dim=512", "max_target_length=64", "vocab_size=384", "dtype=bfloat16",
+        "weight_dtype=float32", "remat_policy=full", "scan_layers=true", "logits_dot_in_fp32=false"]
 # The small shape as a Mixtral-style MoE: 8 experts of the small MLP's width, top-2, the top-2 weights
 # renormalised (Mixtral's softmax over the chosen two), the same balancing-loss weight on both sides.
 MOE = SMALL + ["num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=1024", "load_balance_loss_weight=0.01",
@@ -59,6 +65,8 @@ CONTEXT = [x for x in SMALL if not x.startswith("max_target_length")] + ["max_ta
                                                                          "ici_context_parallelism=4"]
 # name, overrides, fake devices, global batch, MaxText s/step, MaxText tokens/s (None: the issue quotes none)
 ROWS = [
+    ("tiny", TINY, 1, 12, None, None),
+    ("tiny fsdp=2", TINY, 2, 12, None, None),
     ("small", SMALL, 1, 4, 0.84, 1230),
     ("small float32", SMALL + ["dtype=float32"], 1, 4, 1.12, 914),
     ("small remat minimal", SMALL + ["remat_policy=minimal"], 1, 4, 0.84, 1228),
