@@ -324,6 +324,7 @@ def embed(embedding_VxD, tokens_BxL, dtype):
         rows_TxE = lookup(table_VxE, all_tokens_T)
         rows_BLxD = jax.lax.all_to_all(rows_TxE, column_axes, 0, 1, tiled=True)
         return rows_BLxD.reshape(*tokens_BxL.shape, -1)
+    # the table's rows whole on entry (a vocab split, by tensor, is gathered: a slice of columns is small)
     return jax.shard_map(local, in_specs=(PartitionSpec(None, column_axes), token_spec),
                          out_specs=PartitionSpec(*token_spec, None), check_vma=False)(embedding_VxD, tokens_BxL)
 
