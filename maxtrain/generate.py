@@ -10,6 +10,7 @@ the not-yet-written tail irrelevant. Correct and simple; quadratic in the output
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -40,8 +41,11 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
              eos_id: int | None = None) -> list[int]:
     """New token ids after `prompt_ids` (up to max_new_tokens; stops after eos_id). Call under the mesh."""
     start, total = len(prompt_ids), len(prompt_ids) + max_new_tokens
-    if c.attention == "splash":  # the kernel's blocks need a multiple of 128; the tail is never attended
-        total = -(-total // 128) * 128
+    # The buffer splits over the context axis, each device's share in splash's blocks of 128 (the tail is
+    # never attended); it stays in sequence order, without training's load-balanced layout.
+    multiple = c.mesh_shape["context"] * (128 if c.attention == "splash" else 1)
+    total = -(-total // multiple) * multiple
+    model = trainer.model.clone(args=dataclasses.replace(trainer.model.args, context_load_balance=False))
     # The batch axis is sharded over data x fsdp: give every batch shard a (identical) row.
     rows = math.prod(c.mesh_shape[a] for a in mesh_lib.mesh_axes_for(c.logical_axis_rules, "batch"))
     buffer_RxT = np.zeros((rows, total), np.int32)
@@ -49,7 +53,7 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
     buffer_RxT = jax.device_put(buffer_RxT, trainer.batch_sharding)
 
     def step(params, buffer_RxT, position, rng):
-        hidden_RxTxD, out_DxV = trainer.model.apply({"params": params}, buffer_RxT, return_hidden=True)
+        hidden_RxTxD, out_DxV = model.apply({"params": params}, buffer_RxT, return_hidden=True)
         hidden_1x1xD = jax.lax.dynamic_slice_in_dim(hidden_RxTxD[:1], position - 1, 1, axis=1)
         logits_V = output_logits(hidden_1x1xD, out_DxV, c.logits_dot_in_fp32)[0, 0]
         token = choose(logits_V, rng, temperature, top_k)

@@ -156,3 +156,21 @@ def test_splash_block_map_of_the_load_balanced_layout():
             want = places[rows:rows + 16, None] >= np.arange(cols, cols + 16)[None, :]
             np.testing.assert_array_equal(mask[slice(rows, rows + 16), slice(cols, cols + 16)], want)
     assert mask[slice(0, 8), slice(56, 64)].sum() == 0 and mask[slice(56, 64), slice(0, 8)].all()
+
+
+@pytest.mark.parametrize("model,prompt_length", [
+    (("max_target_length=256", "attention=splash"), 200),  # a 256-token buffer: splash's blocks per device
+    (("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0"), 62),
+], ids=["splash", "moe-capacity"])
+def test_generation_under_context_parallelism_matches_one_device(tiny_config, model, prompt_length):
+    """maxtrain.generate's buffer is in sequence order (not training's load-balanced layout) and padded to
+    what the context axis and splash take: the same greedy tokens as on one device."""
+    from maxtrain import generate
+
+    def tokens(devices, *mesh):
+        c = tiny_config(*model, *mesh, devices=devices)
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            params = trainer.init(jax.random.key(0)).params
+            return generate.generate(c, trainer, params, [i % 250 + 1 for i in range(prompt_length)], 4)
+    assert tokens(jax.devices(), "ici_context_parallelism=2") == tokens(jax.devices()[:1])
