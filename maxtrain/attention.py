@@ -16,13 +16,14 @@ Under context parallelism (the `context` mesh axis splits `length`) every kernel
 from __future__ import annotations
 
 import functools
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+
+from maxtrain import mesh as mesh_lib
 
 
 # blockwise's queries per block. On CPU 256 and 128 run alike at L = 512 and 64 is slower; fewer blocks
@@ -183,12 +184,12 @@ def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None,
     mesh = jax.sharding.get_abstract_mesh()
     specs = None
     if not mesh.empty and nn.get_logical_axis_rules():
-        specs = [PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in (
-            ("batch", "heads", "length", "head_dim"), ("batch", "kv_heads", "length", "head_dim"),
-            ("batch", "kv_heads", "length", "head_dim"), ("batch", "length"))]
-        if not all(_divides(spec, x.shape, mesh) for spec, x in zip(specs, args)):
+        logical = (("batch", "heads", "length", "head_dim"), ("batch", "kv_heads", "length", "head_dim"),
+                   ("batch", "kv_heads", "length", "head_dim"), ("batch", "length"))
+        specs = [PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in logical]
+        if not all(mesh_lib.splits_evenly(axes, x.shape) for axes, x in zip(logical, args)):
             specs = None  # e.g. the batch-of-1 trace at init, whose attention output is never used
-    shards = length_shards() if specs else 1
+    shards = mesh_lib.length_shards() if specs else 1
     places = zigzag_order(length, shards) if balanced and shards > 1 else np.arange(length)
     kernel = _splash_kernel(places, residual_name, h, shards)
     if specs is None:
@@ -226,31 +227,11 @@ def _unzigzag(x, axis: int, shards: int):
     return jnp.concatenate([chunks[i] for i in np.argsort(zigzag_order(2 * shards, shards))], axis=axis)
 
 
-def _divides(spec: PartitionSpec, shape, mesh) -> bool:
-    for dim, axes in zip(shape, spec):
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-        size = 1
-        for a in axes:
-            size *= mesh.shape[a]
-        if dim % size:
-            return False
-    return True
-
-
 KERNELS = {"dot_product": dot_product, "blockwise": blockwise, "jax_nn": jax_nn, "splash": splash}
 
 
 # ---------------------------------------------------------------------------------------------
 # Context parallelism: the sequence's positions split over devices (the `length` logical axis)
-
-
-def length_shards() -> int:
-    """How many devices split an activation's `length` under the active mesh and rules."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not nn.get_logical_axis_rules():
-        return 1
-    axes = nn.logical_to_mesh_axes(("length",))[0]
-    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
 
 
 def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
@@ -259,11 +240,13 @@ def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions
     computation, as without context parallelism. The causal mask compares positions, not places, so a
     reordered sequence (zigzag_order) attends exactly as the original. (Left to GSPMD, XLA:CPU ran the
     partitioned softmax's gradient several times slower.)"""
-    q_spec, kv_spec, tokens = (PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in (
-        ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")))
+    q_axes, kv_axes, token_axes = (("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim"),
+                                   ("batch", "length"))
+    q_spec, kv_spec, tokens = (PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in (q_axes, kv_axes, token_axes))
     specs = (q_spec, kv_spec, kv_spec, tokens, tokens)
     args = (q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
-    if not all(_divides(s, x.shape, jax.sharding.get_abstract_mesh()) for s, x in zip(specs, args)):
+    if not all(mesh_lib.splits_evenly(axes, x.shape)
+               for axes, x in zip((q_axes, kv_axes, kv_axes, token_axes, token_axes), args)):
         # the batch-of-1 trace at init, whose attention output is never used
         return _attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [(0, q_BxLxHxK.shape[1], document_mask(
             positions_BxL, positions_BxL, segment_ids_BxL, segment_ids_BxL))])

@@ -77,6 +77,35 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+# Inside a traced step (mesh and rules active): what the shard_map regions of attention, moe and model
+# ask of the mesh, by logical names.
+
+
+def active_axes(logical: tuple) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes each logical dimension maps to under the active mesh and rules, as tuples."""
+    if jax.sharding.get_abstract_mesh().empty or not nn.get_logical_axis_rules():
+        return tuple(() for _ in logical)
+    spec = nn.logical_to_mesh_axes(logical)
+    return tuple(() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec)
+
+
+def active_shards(logical: tuple) -> tuple[int, ...]:
+    """How many devices split each logical dimension under the active mesh and rules."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(math.prod(mesh.shape[a] for a in axes) for axes in active_axes(logical))
+
+
+def splits_evenly(logical: tuple, shape) -> bool:
+    """Whether an array of `shape` with those logical dimensions divides over the devices that split them
+    (not, e.g., the batch-of-1 trace at init)."""
+    return all(n % k == 0 for n, k in zip(shape, active_shards(logical)))
+
+
+def length_shards() -> int:
+    """How many devices split a sequence's positions (context parallelism)."""
+    return active_shards(("length",))[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # The mesh's shape for the actual devices, and what depends on it
 

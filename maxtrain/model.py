@@ -9,7 +9,6 @@ N kv heads, G query heads per kv head, K head dim, F mlp, V vocab.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxtrain import attention, moe, remat
+from maxtrain import attention, mesh as mesh_lib, moe, remat
 
 constrain = nn.with_logical_constraint
 
@@ -176,7 +175,7 @@ class Attention(nn.Module):
         if a.attention == "splash":
             ctx_BxLxHxK = attention.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
                                            a.context_load_balance)
-        elif attention.length_shards() > 1:  # context parallelism: the sequence is split over devices
+        elif mesh_lib.length_shards() > 1:  # context parallelism: the sequence is split over devices
             ctx_BxLxHxK = attention.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
         else:
             ctx_BxLxHxK = attention.KERNELS[a.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
@@ -223,7 +222,7 @@ class MLP(nn.Module):
             h_BxCxF = constrain(nn.silu(gate_BxCxF) * up_BxCxF, ("batch", "length", "mlp"))
             return checkpoint_name(matmul(h_BxCxF, down_FxD), remat.MLP_OUT)
 
-        share = x_BxLxD.shape[1] // attention.length_shards()  # each device's positions
+        share = x_BxLxD.shape[1] // mesh_lib.length_shards()  # each device's positions
         if not a.mlp_chunk or share % a.mlp_chunk or share == a.mlp_chunk:
             return mlp(x_BxLxD)
         # Long sequences: `mlp_chunk` positions at a time, each chunk rematerialized under the layer's
@@ -308,16 +307,11 @@ def embed(embedding_VxD, tokens_BxL, dtype):
     holds, then takes back its own tokens' whole rows (an all-to-all the size of the result): the
     table never moves, and its gradient is a float32 scatter-add into each device's own columns. Left
     to GSPMD (llama3-8b, 131,072 tokens, context 16) XLA added into a whole [V, D] float32 table: 4 GiB."""
-    mesh = jax.sharding.get_abstract_mesh()
     lookup = lambda table_VxE, tokens: jnp.take(table_VxE, tokens, axis=0).astype(dtype)  # noqa: E731
-    if mesh.empty or not nn.get_logical_axis_rules():
-        return lookup(embedding_VxD, tokens_BxL)
-    token_spec = PartitionSpec(*nn.logical_to_mesh_axes(("batch", "length")))
-    column_axes = nn.logical_to_mesh_axes(("vocab", "embed"))[1]
-    column_axes = (column_axes,) if isinstance(column_axes, str) else tuple(column_axes or ())
-    token_shards = [math.prod(mesh.shape[a] for a in ((x,) if isinstance(x, str) else x or ())) for x in token_spec]
-    if not column_axes or any(n % k for n, k in zip(tokens_BxL.shape, token_shards)):
+    column_axes = mesh_lib.active_axes(("vocab", "embed"))[1]
+    if not column_axes or not mesh_lib.splits_evenly(("batch", "length"), tokens_BxL.shape):
         return constrain(lookup(embedding_VxD, tokens_BxL), ("batch", "length", "embed"))
+    token_spec = PartitionSpec(*nn.logical_to_mesh_axes(("batch", "length")))
 
     def local(table_VxE, tokens_BxL):
         all_tokens_T = jax.lax.all_gather(tokens_BxL.reshape(-1), column_axes, tiled=True)
@@ -336,7 +330,7 @@ def split_chunks(x_BxL, chunk: int, shards: int | None = None):
     device's share (C = S x chunk), so each device works on its own positions at every step;
     contiguous chunks would each live on one device."""
     b, length = x_BxL.shape[:2]
-    shards = attention.length_shards() if shards is None else shards
+    shards = mesh_lib.length_shards() if shards is None else shards
     chunk = min(chunk, length // shards)
     x_BxSxNxC = x_BxL.reshape(b, shards, length // shards // chunk, chunk, *x_BxL.shape[2:])
     x_NxBxSxC = jnp.moveaxis(x_BxSxNxC, 2, 0)
@@ -346,7 +340,7 @@ def split_chunks(x_BxL, chunk: int, shards: int | None = None):
 def merge_chunks(x_NxBxC, shards: int | None = None):
     """The inverse of split_chunks."""
     n, b, c = x_NxBxC.shape[:3]
-    shards = attention.length_shards() if shards is None else shards
+    shards = mesh_lib.length_shards() if shards is None else shards
     x_NxBxSxC = x_NxBxC.reshape(n, b, shards, c // shards, *x_NxBxC.shape[3:])
     return jnp.moveaxis(x_NxBxSxC, 0, 2).reshape(b, n * c, *x_NxBxC.shape[3:])
 

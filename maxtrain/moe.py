@@ -26,7 +26,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxtrain import attention, remat
+from maxtrain import attention, mesh as mesh_lib, remat
 
 # Logical names of the expert weights' dimensions and of the activations the block reads.
 EXPERT_WEIGHT_AXES = ("experts", "embed", "moe_mlp")
@@ -89,7 +89,7 @@ class MoEBlock(nn.Module):
         self.sow("intermediates", "lb_loss", e * jnp.sum(counts_E / tokens * jnp.mean(probs_BxLxE, axis=(0, 1))))
         self.sow("intermediates", "z_loss", jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxE, axis=-1))))
         if a.capacity_factor > 0:
-            length, shards = x_BxLxD.shape[1], attention.length_shards()
+            length, shards = x_BxLxD.shape[1], mesh_lib.length_shards()
             if a.context_load_balance and shards > 1:  # "first" by position: the batch is in zigzag order
                 places = attention.zigzag_order(length, shards)
                 keep_BxLxK = within_capacity(experts_BxLxK[:, np.argsort(places)], e, capacity(a, length))[:, places]
@@ -125,25 +125,18 @@ def buffer_rows(length: int, k: int, local_experts: int, cap: int | None) -> int
 # The expert computation, per device
 
 
-def _mesh_axes(logical: tuple) -> tuple:
-    """The mesh axes each logical dimension maps to under the active rules, as tuples."""
-    spec = nn.logical_to_mesh_axes(logical)
-    return tuple(() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec)
-
-
 def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, matmul: str, chunk: int = 0,
                policy: str = "none"):
     """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh by shard_map; with
     `chunk`, that many positions at a time, each chunk rematerialized under `policy`."""
     mesh = jax.sharding.get_abstract_mesh()
-    batch_axes, length_axes, _ = _mesh_axes(ACTIVATION_AXES)
-    splits = math.prod(mesh.shape[a] for a in batch_axes), math.prod(mesh.shape[a] for a in length_axes)
-    if mesh.empty or mesh.size == 1 or x_BxLxD.shape[0] % splits[0] or x_BxLxD.shape[1] % splits[1]:
+    batch_axes, length_axes, _ = mesh_lib.active_axes(ACTIVATION_AXES)
+    if mesh.empty or mesh.size == 1 or not mesh_lib.splits_evenly(ACTIVATION_AXES[:2], x_BxLxD.shape[:2]):
         # one device, or a batch the mesh cannot split (the init's shape probe, generating one sequence):
         # the same computation for GSPMD to place
         return _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights, expert_axes=(), embed_axes=(),
                                  mlp_axes=(), cap=cap, matmul=matmul, chunk=chunk, policy=policy)
-    expert_axes, embed_axes, mlp_axes = _mesh_axes(EXPERT_WEIGHT_AXES)
+    expert_axes, embed_axes, mlp_axes = mesh_lib.active_axes(EXPERT_WEIGHT_AXES)
     local = functools.partial(_local_expert_mlp, expert_axes=expert_axes, embed_axes=embed_axes,
                               mlp_axes=mlp_axes, cap=cap, matmul=matmul, chunk=chunk, policy=policy)
     tokens = PartitionSpec(batch_axes or None, length_axes or None)  # context parallelism: each its positions
