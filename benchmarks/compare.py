@@ -13,7 +13,8 @@ median, with the range; tokens/s, MFU and the peaks come from the median run (th
 for an even N). The AOT
 rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures from the
 issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted; with
---maxtext, MaxText's own train_compile also runs each AOT row, on maxtrain's libtpu ("here").
+--maxtext, MaxText's own train_compile also runs each AOT row, on maxtrain's libtpu ("here"; both
+sides on another one with TPU_LIBRARY_PATH=.../libtpu.so).
 
 `--maxtext PYTHON` also runs MaxText itself on each CPU row, right after maxtrain, on this machine:
 PYTHON is an interpreter with MaxText installed. MaxText needs Python >= 3.12, so, for example:
@@ -97,12 +98,18 @@ AOT = [
     ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
     ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
     # MaxText 0.2.4's own compile of its mixtral-8x7b, same settings (issue #23): arguments 8.16 + temporaries 15.54.
-    # MaxText's figures come from its own install's libtpu, 0.0.52: the tpu extra pins the same.
+    # MaxText's figures come from its own install's libtpu, 0.0.52 (the tpu extra's is 0.0.42): compare
+    # with TPU_LIBRARY_PATH naming 0.0.52's libtpu.so to run both sides on it.
     ("mixtral-8x7b v5p-128", ["model_name=mixtral-8x7b", "max_target_length=4096"], 23.70),
+    # The same with the experts over 8 chips (each chip's experts take chunks of positions: the auto rule).
+    ("mixtral-8x7b expert=8", ["model_name=mixtral-8x7b", "max_target_length=4096", "ici_expert_parallelism=8",
+                               "ici_fsdp_parallelism=8"], 23.70),
     # Long context (#25): 4 sequences of 131,072 tokens, each over 16 chips; MaxText's figure: its own install.
     ("llama3-8b 131072 context=16", ["model_name=llama3-8b", "max_target_length=131072", "ici_context_parallelism=16",
                                      "ici_fsdp_parallelism=4", "per_device_batch_size=0.0625"], 8.84),
 ]
+# MaxText places an 8 x 8 mesh on the 4x4x4 torus only when told it may split a torus dimension.
+MAXTEXT_AOT_EXTRA = {"mixtral-8x7b expert=8": ["allow_split_physical_axes=true"]}
 # The plain command: the platform defaults choose bfloat16, splash attention and the loss and MLP chunks.
 AOT_COMMON = ["compile_topology=v5p-128", "per_device_batch_size=4"]
 
@@ -265,8 +272,8 @@ def maxtext_aot_gib(python, overrides):
     base_yml = maxtext_base_yml(python)
     if base_yml is None:
         return float("nan"), f"no maxtext in {python}"
-    env = {**os.environ, "TPU_LIBRARY_PATH": os.path.join(os.path.dirname(libtpu.__file__), "libtpu.so"),
-           "JAX_PLATFORMS": "cpu"}
+    library = os.environ.get("TPU_LIBRARY_PATH") or os.path.join(os.path.dirname(libtpu.__file__), "libtpu.so")
+    env = {**os.environ, "TPU_LIBRARY_PATH": library, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", base_yml, *AOT_COMMON,
                            "override_model_config=true", "compile_topology_num_slices=1", "remat_policy=full",
                            *overrides], capture_output=True, text=True, cwd=REPO, env=env)
@@ -351,7 +358,7 @@ def main():
         gib, detail = aot_gib(overrides, extra)
         row = f"| {name} | {gib:.2f} | {detail} | {mt_gib:.2f} | {less(gib, mt_gib)} |"
         if args.maxtext:
-            mt_here, mt_detail = maxtext_aot_gib(args.maxtext, overrides)
+            mt_here, mt_detail = maxtext_aot_gib(args.maxtext, overrides + MAXTEXT_AOT_EXTRA.get(name, []))
             row += f" {mt_here:.2f} | {mt_detail} | {less(gib, mt_here)} |"
         print(row, flush=True)
 

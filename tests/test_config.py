@@ -225,3 +225,16 @@ def test_auto_chunks_switch_on_where_the_unchunked_tensors_are_large():
     # Chunks divide the length; an explicit value wins.
     assert chunks("model_name=llama3-8b", "max_target_length=3000") == (500, 1500)
     assert chunks("model_name=llama2-7b", "max_target_length=4096", "loss_chunk_size=0") == (0, 2048)
+
+
+def test_an_moe_layer_chunks_only_under_expert_parallelism():
+    def moe_chunk(*overrides):
+        c = config.load([BASE, "model_name=mixtral-8x7b", "max_target_length=4096", *overrides])
+        return mesh_lib.with_devices(c, 64, platform="tpu").moe_chunk_size
+    # Expert 8: a chip receives 8 peers x 4 sequences x 1 assignment per position, 14336 wide in bf16:
+    # 917,504 bytes a position, so 128 positions keep it under 128 MiB.
+    assert moe_chunk("ici_expert_parallelism=8", "ici_fsdp_parallelism=8") == 128
+    assert moe_chunk("ici_expert_parallelism=2", "ici_fsdp_parallelism=32") == 256  # 4 experts a chip: 2 each
+    assert moe_chunk() == 0  # no expert axis: the gathered weights dominate
+    assert moe_chunk("ici_expert_parallelism=8", "ici_fsdp_parallelism=8", "mlp_chunk_size=0") == 0
+    assert moe_chunk("mlp_chunk_size=256") == 256

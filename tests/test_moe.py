@@ -147,6 +147,21 @@ def test_chunks_of_positions_equal_the_whole_sequence(tiny_config, capacity_fact
     np.testing.assert_allclose(chunked, whole, atol=1e-6)
 
 
+def test_chunks_of_positions_give_the_whole_sequences_gradients(tiny_config):
+    args, c = block_args(tiny_config, *mesh_overrides(MESHES["expert4xfsdp2"]))
+    x = random_x(args)
+    params = init_block(args, x)
+    mesh = Mesh(np.asarray(jax.devices()).reshape(MESHES["expert4xfsdp2"]), config_lib.MESH_AXES)
+
+    def grads(a):
+        loss = lambda p, x: jnp.sum(jnp.sin(moe.MoEBlock(a).apply({"params": p}, x)))  # noqa: E731
+        with mesh_lib.activate(mesh, mesh_lib.axis_rules(c)):
+            return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    chunked = grads(dataclasses.replace(args, moe_chunk=4))
+    for whole, chunk in zip(jax.tree.leaves(grads(args)), jax.tree.leaves(chunked)):
+        np.testing.assert_allclose(chunk, whole, atol=1e-5, rtol=1e-5)
+
+
 def test_a_large_capacity_equals_dropless(tiny_config):
     args, c = block_args(tiny_config, *mesh_overrides(MESHES["expert4xfsdp2"]), capacity_factor=4.0)
     x = random_x(args)
