@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from maxtrain import quantization
 from maxtrain.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -47,6 +48,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "profiler": ("", "xplane"),
     "routed_score_func": ("softmax", "sigmoid"),
     "moe_grouped_matmul": ("auto", "megablox", "ragged_dot", "blocked"),
+    "quantization": ("", *quantization.MODES),
 }
 POSITIVE_INTS = (
     "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
@@ -328,6 +330,7 @@ def _validate(c: dict[str, Any]) -> None:
         if list(sizes.values()).count(-1) > 1:
             raise ConfigError(f"{group}_*_parallelism", "at most one axis per group may be -1")
     _validate_moe(c)
+    quantization.validate(c, ConfigError)
     _validate_rules(c["logical_axis_rules"])
     _validate_prompt_ids(c["prompt_ids"], c["vocab_size"])
     if c["top_k"] > c["vocab_size"]:

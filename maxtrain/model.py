@@ -46,6 +46,7 @@ class ModelArgs:
     context_load_balance: bool  # under context parallelism the batch is in attention.zigzag_order
     logits_dot_in_fp32: bool
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    quantized: bool  # maxtrain.quantization wraps the model: matmuls as jnp.einsum, which Qwix intercepts
     # Mixture of experts (maxtrain.moe); num_experts 1 = a dense model
     num_experts: int
     experts_per_token: int
@@ -72,7 +73,7 @@ class ModelArgs:
             scan_layers=c.scan_layers, remat_policy=c.remat_policy, mlp_chunk=c.mlp_chunk_size,
             moe_chunk=c.get("moe_chunk_size", 0),
             attention=c.attention, context_load_balance=c.context_parallel_load_balance,
-            logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
+            logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm, quantized=bool(c.quantization),
             num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_mlp=c.moe_mlp_dim,
             shared_experts=c.shared_experts, first_dense_layers=c.first_num_dense_layers,
             capacity_factor=c.capacity_factor, routed_score_func=c.routed_score_func,
@@ -215,12 +216,13 @@ class MLP(nn.Module):
         gate_DxF = dense_weight(self, "wi_gate", (a.embed, f), ("embed", "mlp"))
         up_DxF = dense_weight(self, "wi_up", (a.embed, f), ("embed", "mlp"))
         down_FxD = dense_weight(self, "wo", (f, a.embed), ("mlp", "embed"))
+        mm = (lambda x, w: jnp.einsum("...d,df->...f", x, w)) if a.quantized else matmul  # noqa: E731
 
         def mlp(x_BxCxD):
-            gate_BxCxF = checkpoint_name(matmul(x_BxCxD, gate_DxF), remat.MLP_IN)
-            up_BxCxF = checkpoint_name(matmul(x_BxCxD, up_DxF), remat.MLP_IN)
+            gate_BxCxF = checkpoint_name(mm(x_BxCxD, gate_DxF), remat.MLP_IN)
+            up_BxCxF = checkpoint_name(mm(x_BxCxD, up_DxF), remat.MLP_IN)
             h_BxCxF = constrain(nn.silu(gate_BxCxF) * up_BxCxF, ("batch", "length", "mlp"))
-            return checkpoint_name(matmul(h_BxCxF, down_FxD), remat.MLP_OUT)
+            return checkpoint_name(mm(h_BxCxF, down_FxD), remat.MLP_OUT)
 
         share = x_BxLxD.shape[1] // mesh_lib.length_shards()  # each device's positions
         if not a.mlp_chunk or share % a.mlp_chunk or share == a.mlp_chunk:

@@ -13,17 +13,19 @@ from maxtrain.mesh import mesh_axes_for
 def resolve(c: dict[str, Any], platform: str) -> None:
     """Fills in the auto values of a config whose mesh is resolved (mesh.with_devices)."""
     if c["attention"] == "auto":
-        c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"])
+        quantized = bool(c["quantization"]) and "attention" in c["quantization_targets"].split(",")
+        c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
     if c["moe_grouped_matmul"] == "auto":  # see moe.grouped_matmul for why each
         c["moe_grouped_matmul"] = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")
     auto_chunks(c)
 
 
-def attention_for(platform: str, length_per_device: int) -> str:
-    """attention=auto: each platform's fast kernel (splash needs each device's positions in blocks of 128)."""
+def attention_for(platform: str, length_per_device: int, quantized_projections: bool = False) -> str:
+    """attention=auto: each platform's fast kernel (splash needs each device's positions in blocks of 128;
+    beside quantized projections, jax_nn's einsums would be quantized too: see maxtrain.quantization)."""
     if platform == "tpu":
         return "splash" if length_per_device % 128 == 0 else "blockwise"
-    return "jax_nn" if platform == "gpu" else "blockwise"
+    return "jax_nn" if platform == "gpu" and not quantized_projections else "blockwise"
 
 
 MiB = 2**20
@@ -42,7 +44,8 @@ def summary(c) -> str:
               "moe": c.moe_chunk_size if c.num_experts > 1 else 0}
     text = "".join(f" | {name} chunk {size}" for name, size in chunks.items() if size)
     moe = f" | experts {c.moe_grouped_matmul}" if c.num_experts > 1 else ""
-    return f"{c.dtype} | attention {c.attention}{text}{moe}"
+    quantized = f" | {c.quantization} matmuls ({c.quantization_targets})" if c.quantization else ""
+    return f"{c.dtype} | attention {c.attention}{text}{moe}{quantized}"
 
 
 def auto_chunks(c: dict[str, Any]) -> None:

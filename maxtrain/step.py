@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain import attention, loss, mesh as mesh_lib, moe
+from maxtrain import attention, loss, mesh as mesh_lib, moe, quantization
 from maxtrain.config import Config
 from maxtrain.data import BATCH_DTYPES
 from maxtrain.model import Decoder, ModelArgs
@@ -104,7 +104,7 @@ class Trainer:
 
 
 def build(c: Config, mesh) -> Trainer:
-    model = Decoder(ModelArgs.from_config(c))
+    model = quantization.quantize(Decoder(ModelArgs.from_config(c)), c)
     tx = make_optimizer(c)
     rules = mesh_lib.axis_rules(c)
     dummy_tokens = jnp.zeros((1, c.max_target_length), jnp.int32)

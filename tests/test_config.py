@@ -212,6 +212,9 @@ def test_attention_auto_is_each_platforms_kernel_and_an_explicit_value_wins():
     assert resolved(platform="cpu") == "blockwise"
     assert resolved("max_target_length=100", platform="tpu") == "blockwise"  # splash needs blocks of 128
     assert resolved("attention=dot_product", platform="tpu") == "dot_product"
+    # beside quantized attention projections jax_nn's einsums would be quantized: blockwise on GPU
+    assert resolved("quantization=int8", platform="gpu") == "blockwise"
+    assert resolved("quantization=int8", "quantization_targets=mlp", platform="gpu") == "jax_nn"
 
 
 def test_auto_chunks_switch_on_where_the_unchunked_tensors_are_large():
