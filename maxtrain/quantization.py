@@ -35,6 +35,9 @@ def validate(c: dict[str, Any], error: type[UserError]) -> None:
         if target not in TARGETS:
             raise error("quantization_targets", f"{target!r} is not one of {', '.join(TARGETS)} "
                         "(comma-separated)")
+    if c["quantization"] and targets == ["mlp"] and c["num_experts"] > 1 and not c["first_num_dense_layers"]:
+        raise error("quantization_targets", "an MoE model's only MLPs are its routed experts, which Qwix does "
+                    "not reach (grouped-matmul kernels): nothing would be quantized; add attention")
     if c["quantization"] and c["attention"] == "jax_nn" and "attention" in targets:
         # jax.nn.dot_product_attention's XLA path is einsums inside the attention module: Qwix would
         # quantize the scores too

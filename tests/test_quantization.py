@@ -96,8 +96,8 @@ def test_a_quantized_layer_stays_close_to_the_float_one(tiny_config, mode, toler
     assert 0 < error < tolerance, error
 
 
-@pytest.mark.parametrize("overrides", [("quantization=int8",),
-                                       ("quantization=fp8_full", "remat_policy=minimal", "gradient_accumulation_steps=2")])
+@pytest.mark.parametrize("overrides", [
+    ("quantization=int8",), ("quantization=fp8_full", "remat_policy=minimal", "gradient_accumulation_steps=2")])
 def test_quantized_training_follows_the_float_run_on_fsdp_x_tensor(train_tiny, overrides):
     mesh = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "dtype=bfloat16", "steps=8")
     plain = train_tiny(*mesh, "run_name=plain", *overrides[1:])["losses"]
@@ -115,14 +115,15 @@ def test_a_checkpoint_trained_quantized_resumes_unquantized(train_tiny):
     assert np.all(np.isfinite(resumed["losses"] + back["losses"]))
 
 
-@pytest.mark.parametrize("override, message", [
+@pytest.mark.parametrize("overrides, message", [
     ("quantization=int4", "quantization: 'int4' is not one of \"\", int8, fp8, fp8_full"),
-    ("quantization_targets=output", "quantization_targets: the output layer stays in the compute dtype"),
-    ("quantization_targets=attention,ffn", "quantization_targets: 'ffn' is not one of attention, mlp"),
+    ("quantization=int8 quantization_targets=output", "quantization_targets: the output layer stays in the compute"),
+    ("quantization=int8 quantization_targets=mlp,ffn", "quantization_targets: 'ffn' is not one of attention, mlp"),
+    ("quantization=int8 attention=jax_nn", "attention: jax_nn cannot run beside quantized attention projections"),
+    ("quantization=int8 quantization_targets=mlp num_experts=4", "quantization_targets: an MoE model's only MLPs"),
 ])
-def test_bad_quantization_keys_are_one_line(override, message):
-    proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, override, "quantization=int8"
-                           if override.startswith("quantization_targets") else "steps=1"],
+def test_bad_quantization_keys_are_one_line(overrides, message):
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, *overrides.split(), "steps=1"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert message in proc.stderr, proc.stderr
