@@ -289,6 +289,8 @@ def _validate(c: dict[str, Any]) -> None:
                 "shared_experts", "first_num_dense_layers"):
         if c[key] < 0:
             raise ConfigError(key, "must be >= 0")
+    if c["scan_unroll"] == 0 or c["scan_unroll"] < -1:
+        raise ConfigError("scan_unroll", "must be positive or -1 (auto)")
     for key in ("loss_chunk_size", "mlp_chunk_size"):
         if c[key] < -1 or (c[key] > 0 and c["max_target_length"] % c[key]):
             raise ConfigError(key, f"must be -1 (auto), 0 or divide max_target_length={c['max_target_length']}")

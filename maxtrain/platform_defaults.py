@@ -17,7 +17,18 @@ def resolve(c: dict[str, Any], platform: str) -> None:
         c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
     if c["moe_grouped_matmul"] == "auto":  # see moe.grouped_matmul for why each
         c["moe_grouped_matmul"] = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")
+    if c["scan_unroll"] == -1:
+        c["scan_unroll"] = scan_unroll_for(platform, c["remat_policy"], c["base_num_decoder_layers"])
     auto_chunks(c)
+
+
+def scan_unroll_for(platform: str, remat_policy: str, layers: int) -> int:
+    """scan_unroll=-1. Under remat_policy=none the scanned loop writes every layer's activations into
+    stacked [layers, ...] buffers, which XLA:CPU zero-fills and copies each step; unrolled, each layer's
+    stay in their own. Issue #26's tiny shape (4 layers, width 128): 0.058 s/step scanned, 0.032 unrolled
+    (benchmarks/ab.py); under full, minimal or save_dot_except_mlp remat unrolling was no faster (0.82x
+    to 1.15x, in the noise) and costs compile time, as it would for a deep model."""
+    return layers if platform == "cpu" and remat_policy == "none" and layers <= 8 else 1
 
 
 def attention_for(platform: str, length_per_device: int, quantized_projections: bool = False) -> str:

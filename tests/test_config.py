@@ -230,6 +230,16 @@ def test_auto_chunks_switch_on_where_the_unchunked_tensors_are_large():
     assert chunks("model_name=llama2-7b", "max_target_length=4096", "loss_chunk_size=0") == (0, 2048)
 
 
+def test_scan_unroll_auto_unrolls_small_models_without_remat_on_cpu():
+    def unroll(*overrides, platform="cpu"):
+        return mesh_lib.with_devices(config.load([BASE, *overrides]), 1, platform=platform).scan_unroll
+    assert unroll("remat_policy=none") == 4  # base.yml's 4 layers, no loop
+    assert unroll() == 1 and unroll("remat_policy=minimal") == 1  # full remat: the loop
+    assert unroll("remat_policy=none", platform="tpu") == 1
+    assert unroll("remat_policy=none", "model_name=llama2-7b") == 1  # 32 layers: compile time
+    assert unroll("remat_policy=none", "scan_unroll=2") == 2
+
+
 def test_an_moe_layer_chunks_only_under_expert_parallelism():
     def moe_chunk(*overrides):
         c = config.load([BASE, "model_name=mixtral-8x7b", "max_target_length=4096", *overrides])

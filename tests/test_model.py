@@ -62,6 +62,20 @@ def test_scan_equals_unrolled_and_layouts_round_trip(tiny_config):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), params, restacked))
 
 
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_an_unrolled_scan_gives_the_looped_scans_loss_and_gradients(tiny_config, policy):
+    c = tiny_config(f"remat_policy={policy}", "scan_unroll=1", "base_num_decoder_layers=4")
+    _, params, tokens = build(c)
+
+    def loss_and_grads(unroll):
+        m = Decoder(ModelArgs.from_config(c.replace(scan_unroll=unroll)))
+        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(logits(m, p, tokens) ** 2)))(params)
+    looped = loss_and_grads(1)
+    for unroll in (2, 4):  # two layers per iteration; all four (no loop)
+        for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(loss_and_grads(unroll))):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5, err_msg=f"unroll {unroll}")
+
+
 @pytest.mark.parametrize("scan", [True, False])
 def test_every_remat_policy_gives_the_same_gradients(tiny_config, scan):
     c = tiny_config(f"scan_layers={str(scan).lower()}")
