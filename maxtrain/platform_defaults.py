@@ -25,8 +25,8 @@ def resolve(c: dict[str, Any], platform: str) -> None:
 def scan_unroll_for(platform: str, remat_policy: str, layers: int) -> int:
     """scan_unroll=-1. Under remat_policy=none the scanned loop writes every layer's activations into
     stacked [layers, ...] buffers, which XLA:CPU zero-fills and copies each step; unrolled, each layer's
-    stay in their own. Issue #26's tiny shape (4 layers, width 128): 0.058 s/step scanned, 0.032 unrolled
-    (benchmarks/ab.py); under full, minimal or save_dot_except_mlp remat unrolling was no faster (0.82x
+    stay in their own. Issue #26's tiny shape (4 layers, width 128): 0.058 s/step looped, 0.040 unrolled
+    (benchmarks/ab.py, paired); under full, minimal or save_dot_except_mlp remat unrolling was no faster (0.82x
     to 1.15x, in the noise) and costs compile time, as it would for a deep model."""
     return layers if platform == "cpu" and remat_policy == "none" and layers <= 8 else 1
 
