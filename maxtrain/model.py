@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxtrain import attention, mesh as mesh_lib, moe, remat
+from maxtrain import attention, mesh as mesh_lib, moe, quantization, remat
 
 constrain = nn.with_logical_constraint
 
@@ -47,7 +47,7 @@ class ModelArgs:
     context_load_balance: bool  # under context parallelism the batch is in attention.zigzag_order
     logits_dot_in_fp32: bool
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    quantized: bool  # maxtrain.quantization wraps the model: matmuls as jnp.einsum, which Qwix intercepts
+    quantized_mlp: bool  # maxtrain.quantization quantizes MLPs: their matmuls as jnp.einsum, which Qwix intercepts
     # Mixture of experts (maxtrain.moe); num_experts 1 = a dense model
     num_experts: int
     experts_per_token: int
@@ -74,7 +74,8 @@ class ModelArgs:
             scan_layers=c.scan_layers, scan_unroll=c.scan_unroll, remat_policy=c.remat_policy,
             mlp_chunk=c.mlp_chunk_size, moe_chunk=c.get("moe_chunk_size", 0),
             attention=c.attention, context_load_balance=c.context_parallel_load_balance,
-            logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm, quantized=bool(c.quantization),
+            logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
+            quantized_mlp="mlp" in quantization.targets(c),
             num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_mlp=c.moe_mlp_dim,
             shared_experts=c.shared_experts, first_dense_layers=c.first_num_dense_layers,
             capacity_factor=c.capacity_factor, routed_score_func=c.routed_score_func,
@@ -217,7 +218,7 @@ class MLP(nn.Module):
         gate_DxF = dense_weight(self, "wi_gate", (a.embed, f), ("embed", "mlp"))
         up_DxF = dense_weight(self, "wi_up", (a.embed, f), ("embed", "mlp"))
         down_FxD = dense_weight(self, "wo", (f, a.embed), ("mlp", "embed"))
-        mm = (lambda x, w: jnp.einsum("...d,df->...f", x, w)) if a.quantized else matmul  # noqa: E731
+        mm = (lambda x, w: jnp.einsum("...d,df->...f", x, w)) if a.quantized_mlp else matmul  # noqa: E731
 
         def mlp(x_BxCxD):
             gate_BxCxF = checkpoint_name(mm(x_BxCxD, gate_DxF), remat.MLP_IN)

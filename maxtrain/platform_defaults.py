@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from maxtrain import quantization
 from maxtrain.mesh import mesh_axes_for
 
 
 def resolve(c: dict[str, Any], platform: str) -> None:
     """Fills in the auto values of a config whose mesh is resolved (mesh.with_devices)."""
     if c["attention"] == "auto":
-        quantized = bool(c["quantization"]) and "attention" in c["quantization_targets"].split(",")
+        quantized = "attention" in quantization.targets(c)
         c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
     if c["moe_grouped_matmul"] == "auto":  # see moe.grouped_matmul for why each
         c["moe_grouped_matmul"] = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")
@@ -56,7 +57,8 @@ def summary(c) -> str:
     text = "".join(f" | {name} chunk {size}" for name, size in chunks.items() if size)
     moe = f" | experts {c.moe_grouped_matmul}" if c.num_experts > 1 else ""
     quantized = f" | {c.quantization} matmuls ({c.quantization_targets})" if c.quantization else ""
-    return f"{c.dtype} | attention {c.attention}{text}{moe}{quantized}"
+    unrolled = f" | {c.scan_unroll} layers per loop iteration" if c.scan_layers and c.scan_unroll > 1 else ""
+    return f"{c.dtype} | attention {c.attention}{text}{moe}{quantized}{unrolled}"
 
 
 def auto_chunks(c: dict[str, Any]) -> None:

@@ -25,20 +25,28 @@ MODES = {
 TARGETS = ("attention", "mlp")
 
 
+def targets(c) -> list[str]:
+    """The targets named, when quantization is on."""
+    return c["quantization_targets"].split(",") if c["quantization"] else []
+
+
 def validate(c: dict[str, Any], error: type[UserError]) -> None:
     """Refuses targets Qwix cannot find, before anything compiles."""
-    targets = c["quantization_targets"].split(",")
-    for target in targets:
+    named = targets(c)
+    if len(set(named)) < len(named):
+        raise error("quantization_targets", f"{c['quantization_targets']!r} names a target twice")
+    for target in named:
         if target == "output":
             raise error("quantization_targets", "the output layer stays in the compute dtype: the loss forms "
                         "the logits outside the model, where no rule reaches; use attention and/or mlp")
         if target not in TARGETS:
             raise error("quantization_targets", f"{target!r} is not one of {', '.join(TARGETS)} "
                         "(comma-separated)")
-    if c["quantization"] and targets == ["mlp"] and c["num_experts"] > 1 and not c["first_num_dense_layers"]:
+    if (named == ["mlp"] and c["num_experts"] > 1 and not c["first_num_dense_layers"]
+            and not c["shared_experts"]):
         raise error("quantization_targets", "an MoE model's only MLPs are its routed experts, which Qwix does "
                     "not reach (grouped-matmul kernels): nothing would be quantized; add attention")
-    if c["quantization"] and c["attention"] == "jax_nn" and "attention" in targets:
+    if c["attention"] == "jax_nn" and "attention" in named:
         # jax.nn.dot_product_attention's XLA path is einsums inside the attention module: Qwix would
         # quantize the scores too
         raise error("attention", "jax_nn cannot run beside quantized attention projections; use "
@@ -47,13 +55,16 @@ def validate(c: dict[str, Any], error: type[UserError]) -> None:
 
 def module_paths(c) -> dict[str, str]:
     """The module-path pattern of each target. An MoE model's routed experts run through grouped-matmul
-    kernels Qwix does not intercept: `mlp` there quantizes only the leading dense layers' MLPs."""
+    kernels Qwix does not intercept: `mlp` there quantizes the leading dense layers' MLPs and the shared
+    experts (`<stack>/mlp/shared`)."""
     paths = {"attention": r"[^/]+/attention"}
     if c.num_experts == 1:
         paths["mlp"] = r"layers(_\d+)?/mlp"
-    elif c.first_num_dense_layers:
-        dense = ["dense_layers"] if c.scan_layers else [f"layers_{i}" for i in range(c.first_num_dense_layers)]
-        paths["mlp"] = "(" + "|".join(dense) + ")/mlp"
+    else:
+        dense = [f"layers_{i}" for i in range(c.first_num_dense_layers)]
+        if c.scan_layers:
+            dense = ["dense_layers"] if c.first_num_dense_layers else []
+        paths["mlp"] = "|".join([f"{stack}/mlp" for stack in dense] + [r"[^/]+/mlp/shared"])
     return paths
 
 
@@ -67,5 +78,5 @@ def quantize(model, c):
     paths = module_paths(c)
     rules = [qwix.QtRule(module_path=paths[t], weight_qtype=forward, act_qtype=forward, bwd_qtype=backward,
                          op_names=("einsum",))
-             for t in c.quantization_targets.split(",") if t in paths]
+             for t in targets(c) if t in paths]
     return qwix.quantize_model(model, qwix.QtProvider(rules))

@@ -75,6 +75,18 @@ def test_an_moe_model_quantizes_its_attention_not_its_experts(tiny_config):
     assert groups["other"] and not any(set(t) & EIGHT_BIT for t in groups["other"])  # router, experts, scores
 
 
+def test_an_moe_models_shared_experts_and_dense_layers_are_its_mlp_target(tiny_config):
+    c = tiny_config("num_experts=4", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
+                    "quantization=int8", "quantization_targets=mlp", "dtype=bfloat16")
+    groups = by_weight(c, lowered_dots(c))  # the shared expert's width (1 x base_mlp_dim) is the dense MLP's
+    assert groups["mlp"] and all(set(t) <= {"i8"} for t in groups["mlp"])
+    assert not any(set(t) & EIGHT_BIT for t in groups["attention"] + groups["other"])
+
+
+def test_quantization_targets_are_not_checked_while_quantization_is_off(tiny_config):
+    assert tiny_config("quantization_targets=anything").quantization == ""
+
+
 def test_the_float_step_has_no_8_bit_matmul(tiny_config):
     dots = lowered_dots(tiny_config("dtype=bfloat16"))
     assert dots and not any(set(types) & EIGHT_BIT for types, _ in dots)
@@ -121,6 +133,7 @@ def test_a_checkpoint_trained_quantized_resumes_unquantized(train_tiny):
     ("quantization=int8 quantization_targets=mlp,ffn", "quantization_targets: 'ffn' is not one of attention, mlp"),
     ("quantization=int8 attention=jax_nn", "attention: jax_nn cannot run beside quantized attention projections"),
     ("quantization=int8 quantization_targets=mlp num_experts=4", "quantization_targets: an MoE model's only MLPs"),
+    ("quantization=int8 quantization_targets=mlp,mlp", "quantization_targets: 'mlp,mlp' names a target twice"),
 ])
 def test_bad_quantization_keys_are_one_line(overrides, message):
     proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, *overrides.split(), "steps=1"],
