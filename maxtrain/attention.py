@@ -240,13 +240,12 @@ def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions
     computation, as without context parallelism. The causal mask compares positions, not places, so a
     reordered sequence (zigzag_order) attends exactly as the original. (Left to GSPMD, XLA:CPU ran the
     partitioned softmax's gradient several times slower.)"""
-    q_axes, kv_axes, token_axes = (("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim"),
-                                   ("batch", "length"))
-    q_spec, kv_spec, tokens = (PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in (q_axes, kv_axes, token_axes))
-    specs = (q_spec, kv_spec, kv_spec, tokens, tokens)
+    kv_axes, token_axes = ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")
+    logical = (("batch", "length", "heads", "head_dim"), kv_axes, kv_axes, token_axes, token_axes)
+    specs = tuple(PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in logical)
+    q_spec, tokens = specs[0], specs[3]
     args = (q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
-    if not all(mesh_lib.splits_evenly(axes, x.shape)
-               for axes, x in zip((q_axes, kv_axes, kv_axes, token_axes, token_axes), args)):
+    if not all(mesh_lib.splits_evenly(axes, x.shape) for axes, x in zip(logical, args)):
         # the batch-of-1 trace at init, whose attention output is never used
         return _attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [(0, q_BxLxHxK.shape[1], document_mask(
             positions_BxL, positions_BxL, segment_ids_BxL, segment_ids_BxL))])

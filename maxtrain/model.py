@@ -39,7 +39,7 @@ class ModelArgs:
     dtype: Any
     weight_dtype: Any
     scan_layers: bool
-    scan_unroll: int  # layers per iteration of the scanned loop (all of them: no loop; -1, auto unresolved: 1)
+    scan_unroll: int  # layers per iteration of the scanned loop (all of them: no loop)
     remat_policy: str
     mlp_chunk: int  # 0 = the whole sequence at once
     moe_chunk: int  # the same for an MoE layer
@@ -71,7 +71,8 @@ class ModelArgs:
                           c.rope_original_max_position_embeddings),
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
             qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
-            scan_layers=c.scan_layers, scan_unroll=c.scan_unroll, remat_policy=c.remat_policy,
+            scan_layers=c.scan_layers, remat_policy=c.remat_policy,
+            scan_unroll=max(c.scan_unroll, 1),  # -1 (auto) in a config resolved without devices: the loop
             mlp_chunk=c.mlp_chunk_size, moe_chunk=c.get("moe_chunk_size", 0),
             attention=c.attention, context_load_balance=c.context_parallel_load_balance,
             logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
@@ -278,7 +279,7 @@ class Decoder(nn.Module):
             if a.scan_layers:  # intermediates: MoE layers record their load and auxiliary losses
                 stack = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                                 in_axes=(nn.broadcast, nn.broadcast), length=count,
-                                unroll=min(max(a.scan_unroll, 1), count), metadata_params={nn.PARTITION_NAME: "layers"})
+                                unroll=min(a.scan_unroll, count), metadata_params={nn.PARTITION_NAME: "layers"})
                 x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL)
             else:
                 for i in range(first, first + count):
