@@ -9,9 +9,11 @@ them with what it read: a step that cannot be read or does not match (bit rot, a
 file, an empty directory) is reported in one line, moved aside to `<step>.unusable` (never deleted),
 and the next older step is tried.
 
-Retention is ours, not Orbax's: old steps are deleted only once the newest save is known complete, so
-a save that fails (disk full, read-only) never costs the last good checkpoint. A failed save ends the
-run with one line naming the path and the OS error.
+Which steps hold a model seen to work is trust.py's (trusted / rejected / pending). Retention is ours,
+not Orbax's: old steps are deleted only once the newest save is known complete, so a save that fails
+(disk full, read-only) never costs the last good checkpoint, and never the newest trusted step. A resume
+skips rejected steps (moved aside to `<step>.untrusted`). A failed save ends the run with one line naming
+the path and the OS error.
 
 Start-up order (as MaxText): resume this run's latest checkpoint; else load_full_state_path;
 else load_parameters_path (fresh optimizer); else fresh init.
@@ -32,6 +34,7 @@ import orbax.checkpoint as ocp
 from maxtrain.config import MODEL_KEYS, Config, defaults
 from maxtrain.digest import Corrupt, digest, json_sha256, leaf_signature, verify
 from maxtrain.errors import NonFiniteState, RunError, UserError
+from maxtrain.trust import Trust
 
 log = logging.getLogger("maxtrain")
 DIGEST_VERSION = 1
@@ -57,15 +60,32 @@ class _QuietOrbaxErrors(logging.Filter):
 logging.getLogger("absl").addFilter(_QuietOrbaxErrors())
 
 
+def _from_orbax(obj) -> bool:
+    code = getattr(obj, "cr_code", None) or getattr(getattr(obj, "get_coro", lambda: None)(), "cr_code", None)
+    return code is not None and "orbax" in code.co_filename
+
+
 def _quiet_closed_loops(unraisable, default=sys.unraisablehook):
-    """After a failed save, tensorstore's callbacks still post to the save's closed event loop and each
-    prints 'Event loop is closed' with a traceback: secondary noise that hides the one line that matters."""
+    """Secondary noise that hides the one line that matters: after a failed save, tensorstore's callbacks
+    still post to the save's closed event loop ('Event loop is closed'); after a failed restore (which the
+    restore reports), Orbax's other read coroutines are dropped with their own errors unread."""
     if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+        return
+    if _from_orbax(unraisable.object):
         return
     default(unraisable)
 
 
+class _QuietOrbaxTasks(logging.Filter):
+    """asyncio's 'Task exception was never retrieved' for Orbax's reads that a failed restore abandoned."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()  # names the task's coroutine and the file it is defined in
+        return not ("exception was never retrieved" in message and "orbax" in message)
+
+
 sys.unraisablehook = _quiet_closed_loops
+logging.getLogger("asyncio").addFilter(_QuietOrbaxTasks())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +165,7 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"cannot use {self.directory}: {os_error_text(e)}") from None
         self._unconfirmed: int | None = None  # a save started but not yet known complete
+        self.trust = Trust(self.directory, c.loss_spike_factor)
 
     def due(self, step: int) -> bool:
         """Every checkpoint_period steps. (Orbax's own schedule would also save a run's first step.)"""
@@ -166,6 +187,19 @@ class Checkpointer:
         except Exception as e:
             raise self._failed(step, e) from None
         self._unconfirmed = step
+        self.trust.saved(step)
+
+    def observe(self, step: int, loss: float, finite: bool) -> None:
+        """Every step's loss, in order: the first step on a saved state's parameters judges that checkpoint."""
+        why = self.trust.observe(step, loss, finite)
+        if why is not None and jax.process_index() == 0:
+            print(f"warning: checkpoint {step - 1} is not trusted: {why}; {self.last_trusted()}", flush=True)
+
+    def last_trusted(self) -> str:
+        """Where the run can go back to, for error lines."""
+        good = self.trust.newest_trusted(self.manager.all_steps())
+        return f"last trusted checkpoint: step {good} in {self.directory}" if good is not None else \
+            "no trusted checkpoint yet"
 
     def poll(self) -> None:
         """Between steps: a background save that failed ends the run now, not at the next save.
@@ -186,17 +220,24 @@ class Checkpointer:
 
     def _failed(self, step: int, e: BaseException) -> SaveError:
         good = [s for s in self.manager.all_steps() if s != step]
-        last = f"step {max(good)} in {self.directory}" if good else "none"
+        trusted = self.trust.newest_trusted(good)
+        newest = trusted if trusted is not None else max(good, default=None)
+        last = f"step {newest} in {self.directory}" if newest is not None else "none"
         return SaveError(f"saving step {step} to {self.directory / str(step)} failed: {os_error_text(e)}; "
                          f"the last good checkpoint is {last}")
 
     def _prune(self) -> None:
-        """Keeps the newest max_num_checkpoints_to_keep complete steps (called only after a save is known
-        complete, so the step it supersedes is never deleted for one that may not exist)."""
+        """Keeps the newest max_num_checkpoints_to_keep complete steps and the newest trusted one (called
+        only after a save is known complete, so the step it supersedes is never deleted for one that may not
+        exist)."""
         keep = self.config.max_num_checkpoints_to_keep
         steps = sorted(self.manager.all_steps())
-        for step in steps[:-keep] if keep else []:
+        trusted = self.trust.newest_trusted(steps)
+        doomed = [s for s in (steps[:-keep] if keep else []) if s != trusted]
+        for step in doomed:
             self.manager.delete(step)
+        if doomed:
+            self.trust.forget(doomed)
 
     def wait(self) -> None:
         """Blocks until the save in flight is durable (SaveError if it failed)."""
@@ -217,17 +258,17 @@ class Checkpointer:
         data iterator) back at its saved position; None if the run has no checkpoint. Unusable newer
         steps are reported and moved aside; if no step is usable, a CheckpointError lists why."""
         self._confirm()
-        unusable = []
+        unusable, untrusted = [], []
         for step in sorted(self.manager.all_steps(), reverse=True):
+            if self.trust.verdict(step) == "rejected":
+                untrusted.append(step)
+                continue
             try:
                 state, data_state = self._restore_step(step, abstract_state)
             except Corrupt as e:
                 unusable.append((step, str(e)))
                 continue
-            for bad, why in unusable:
-                moved = self._move_aside(bad)
-                print(f"warning: checkpoint {self.directory / str(bad)} is unusable ({why}); resuming from step "
-                      f"{step} instead (moved to {moved.name})", flush=True)
+            self._set_aside(untrusted, unusable, f"resuming from step {step} instead")
             try:
                 batches.set_state(data_state)
             except Exception as e:  # saved by another kind of input pipeline
@@ -235,12 +276,28 @@ class Checkpointer:
                                       f"not fit this config's {self.config.dataset_type} data "
                                       f"({type(e).__name__}); resume with the data it was saved with, or use a "
                                       f"new run_name") from None
+            self.trust.resumed(step)
             return state
         if unusable:
             why = "; ".join(f"step {s}: {w}" for s, w in unusable)
             raise CheckpointError(f"{self.directory}: no usable checkpoint ({why}); move the directory away to "
                                   f"start afresh")
+        self._set_aside(untrusted, [], "starting from the beginning")
         return None
+
+    def _set_aside(self, untrusted: list[int], unusable: list[tuple[int, str]], then: str) -> None:
+        """Moves rejected and damaged newer steps out of the run (never deleted), one line for each kind."""
+        if untrusted:
+            reason = self.trust.rejected[untrusted[-1]]
+            moved = [self._move_aside(s, "untrusted").name for s in untrusted]
+            many = len(untrusted) > 1
+            print(f"warning: checkpoint{'s' * many} {', '.join(map(str, sorted(untrusted)))} in {self.directory} "
+                  f"{'are' if many else 'is'} not trusted (step {untrusted[-1]}: {reason}); {then} (kept aside as "
+                  f"{', '.join(sorted(moved))})", flush=True)
+        for bad, why in unusable:
+            moved = self._move_aside(bad)
+            print(f"warning: checkpoint {self.directory / str(bad)} is unusable ({why}); {then} "
+                  f"(moved to {moved.name})", flush=True)
 
     def _restore_step(self, step: int, abstract_state):
         where = str(self.directory / str(step))
@@ -272,18 +329,19 @@ class Checkpointer:
             raise Corrupt(why or "another process could not read it")
         return restored["state"], restored["data"]
 
-    def _move_aside(self, step: int) -> Path:
-        target = self.directory / f"{step}.unusable"
+    def _move_aside(self, step: int, why: str = "unusable") -> Path:
+        target = self.directory / f"{step}.{why}"
         n = 1
         while target.exists():
             n += 1
-            target = self.directory / f"{step}.unusable{n}"
+            target = self.directory / f"{step}.{why}{n}"
         if jax.process_index() == 0:
             (self.directory / str(step)).rename(target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"maxtrain_move_aside_{step}")
         self.manager.reload()
+        self.trust.forget([step])
         return target
 
 
@@ -304,8 +362,18 @@ def step_directory(path: str, key: str) -> Path:
         raise CheckpointError(f"{key}: {p} is not a maxtrain checkpoint step directory "
                               f"(expected {p}/state; e.g. <run>/checkpoints/<step>)")
     if (p / "model").is_dir():
+        why = untrusted_reason(p)
+        if why is not None and jax.process_index() == 0:
+            print(f"warning: {p} is not trusted ({why}): loading it anyway, as {key} asks", flush=True)
         return p
     raise CheckpointError(f"{key}: {p} has no model description (expected {p}/model)")
+
+
+def untrusted_reason(p: Path) -> str | None:
+    """Why the run that saved step directory `p` rejected it, or None (trusted, not yet judged, or not a run's)."""
+    if not p.name.isdigit():
+        return None
+    return Trust(p.parent, 0.0).rejected.get(int(p.name))
 
 
 def restore_failed(key: str, p: Path, e: Exception) -> CheckpointError:

@@ -308,6 +308,8 @@ def _validate(c: dict[str, Any]) -> None:
         raise ConfigError("learning_rate_schedule_steps", "must be -1 (= steps) or positive")
     if c["max_nonfinite_steps"] < 0:
         raise ConfigError("max_nonfinite_steps", "must be >= 0")
+    if c["loss_spike_factor"] != 0 and c["loss_spike_factor"] <= 1:
+        raise ConfigError("loss_spike_factor", "must be 0 (no spike test) or > 1")
     for key in ("checkpoint_period", "max_num_checkpoints_to_keep"):
         if c[key] < (1 if key == "checkpoint_period" else 0):
             raise ConfigError(key, "must be a positive integer" if key == "checkpoint_period" else "must be >= 0")

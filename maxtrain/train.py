@@ -22,6 +22,7 @@ if __name__ == "__main__":
 import concurrent.futures
 import math
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -139,27 +140,50 @@ class NonFiniteGuard:
     def __init__(self, c: config_lib.Config):
         self.policy, self.limit, self.count = c.nan_policy, c.max_nonfinite_steps, 0
 
-    def on_bad_step(self, step: int, last_saved: str) -> str:
+    def on_bad_step(self, step: int, last_trusted: str) -> str:
         self.count += 1
         if self.policy == "stop":
             raise errors.RunError(f"step {step}: the loss or gradients are not finite (nan_policy=stop); the "
-                                  f"update was not applied and nothing more is saved; last checkpoint: {last_saved}")
+                                  f"update was not applied and nothing more is saved; {last_trusted}")
         if self.count > self.limit:
             raise errors.RunError(f"step {step}: {self.count} non-finite steps, more than max_nonfinite_steps="
                                   f"{self.limit} (nan_policy={self.policy}); the run diverges: lower the "
-                                  f"learning_rate or set gradient_clipping_threshold; last checkpoint: {last_saved}")
+                                  f"learning_rate or set gradient_clipping_threshold; {last_trusted}")
         return self.policy
 
 
-def make_run_dir(c: config_lib.Config) -> Path:
+def make_run_dir(c: config_lib.Config) -> tuple[Path, bool]:
+    """The run's directory, and whether this start created it."""
     run_dir = Path(c.base_output_directory) / c.run_name
+    created = not run_dir.exists()
     if jax.process_index() == 0:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise config_lib.ConfigError("base_output_directory", f"cannot write {run_dir}: {e.strerror}") from None
+    return run_dir, created
+
+
+def write_run_config(c: config_lib.Config, run_dir: Path) -> None:
+    """Only once the state is initialized or restored: a refused resume leaves the run's config as it was."""
+    if jax.process_index() == 0:
+        try:
             (run_dir / "config.yml").write_text(c.to_yaml())
         except OSError as e:
             raise config_lib.ConfigError("base_output_directory", f"cannot write {run_dir}: {e.strerror}") from None
-    return run_dir
+
+
+def remove_if_unused(run_dir: Path) -> None:
+    """A start that fails before its first step leaves nothing behind: the directory it created goes,
+    unless a step was written to it (metrics or a checkpoint)."""
+    if jax.process_index() != 0 or not run_dir.is_dir():
+        return
+    metrics = run_dir / "metrics.jsonl"
+    checkpoints = run_dir / "checkpoints"
+    if (metrics.exists() and metrics.stat().st_size) or (checkpoints.is_dir() and any(
+            p.name.isdigit() for p in checkpoints.iterdir())):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def train(c: config_lib.Config, devices=None) -> dict:
@@ -176,18 +200,18 @@ def train(c: config_lib.Config, devices=None) -> dict:
     fit.check_state(trainer)  # before init allocates it
     # Read data files and tokenizer before writing anything: bad input fails cleanly.
     batches, make_eval_iterator = data.make_iterators(c, trainer.batch_sharding)
-    run_dir = make_run_dir(c)
+    run_dir, created = make_run_dir(c)
     # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored.
     t_compile, compiler = time.perf_counter(), concurrent.futures.ThreadPoolExecutor(1)
     compiling = compiler.submit(trainer.compile_train_step)
     compiler.shutdown(wait=False)
 
     checkpointer = None
-    if c.enable_checkpointing:
-        # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
-        from maxtrain import checkpoint as ckpt_lib
-        checkpointer = ckpt_lib.Checkpointer(c)
     try:
+        if c.enable_checkpointing:
+            # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
+            from maxtrain import checkpoint as ckpt_lib
+            checkpointer = ckpt_lib.Checkpointer(c)
         return _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compiling, t_compile)
     except errors.UserError as e:
         # Stopped for cause or by bad data: let the saves under way finish (they hold good states), then report.
@@ -196,6 +220,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
                 checkpointer.close()
             except errors.RunError:
                 pass
+        if created:
+            remove_if_unused(run_dir)
         raise
 
 
@@ -207,6 +233,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
     start_data = batches.get_state()  # where a rollback with no checkpoint restarts the data
     with mesh_lib.activate(mesh, trainer.rules):
         state = initial_state(c, trainer, checkpointer, batches)
+        write_run_config(c, run_dir)
         writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=int(state.step))
         train_step = compiling.result()
         fit.check_compiled(train_step, mesh)  # before the first batch is made
@@ -225,8 +252,8 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
         evaluated_step = None
         pending, history, eval_history, rolled_back = None, [], [], False
 
-        def last_saved() -> str:
-            return f"step {saved_step} in {checkpointer.directory}" if saved_step is not None else "none"
+        def last_trusted() -> str:
+            return checkpointer.last_trusted() if checkpointer is not None else "checkpointing is off"
 
         def read(step_done, device_metrics) -> str | None:
             """Blocks until step `step_done` finished (the next one is already queued); logs it. Returns
@@ -236,6 +263,8 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
             bad = m["nonfinite"] > 0
             m["nonfinite_steps"] = guard.count + bad
             history.append(m["loss"])
+            if checkpointer is not None:
+                checkpointer.observe(step_done, m["loss"], not bad)
             now = time.perf_counter()
             first = len(history) == 1 and not rolled_back  # warm-up is kept out of later step-time windows
             if first:
@@ -249,7 +278,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
                      tflops_per_device=tflops, mfu=tflops / peak)
             say(metrics_lib.format_line(step_done, m))
             writer.write(step_done, m)
-            return guard.on_bad_step(step_done, last_saved()) if bad else None
+            return guard.on_bad_step(step_done, last_trusted()) if bad else None
 
         def save(step_done) -> str | None:
             """None, or (the state is not finite: an update overflowed it; nothing saved) the policy's action."""
@@ -259,7 +288,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
                 checkpointer.save(step_done, state, batches.get_state())  # the data state is gathered only here
             except errors.NonFiniteState as e:
                 say(f"{e}: not saved")
-                return guard.on_bad_step(step_done, last_saved())
+                return guard.on_bad_step(step_done, last_trusted())
             finally:
                 last_time += time.perf_counter() - t0  # keep the save out of the step-time window
             saved_step = step_done
