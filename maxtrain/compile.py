@@ -62,11 +62,31 @@ def slice_shape(spec: str) -> dict:
             "wrap": (dims == [16, 16],) * 2 + (False,)}
 
 
-def compile_for(c_static: config_lib.Config) -> int:
+class CompileError(errors.UserError):
+    kind = "compile"
+
+
+LIBTPU_HINT = 'install it with `pip install -e ".[tpu]"` (or `pip install "jax[tpu]==0.10.2"`)'
+
+
+def topology_desc(name: str, spec: str, num_slices: int):
+    """The devices of a TPU topology, described by libtpu (no chips needed); one line if libtpu is
+    missing or will not load."""
     from jax.experimental import topologies
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=spec, **slice_shape(spec),
+                                            num_slices=num_slices)
+    except Exception as e:
+        if "TPU support not installed" in str(e):  # jax found no libtpu (nor TPU_LIBRARY_PATH)
+            raise CompileError(f"compile_topology={name} needs libtpu, which is not installed: "
+                               f"{LIBTPU_HINT}") from None
+        raise CompileError(f"compile_topology={name}: libtpu cannot describe {spec} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); the libtpu for this jax: {LIBTPU_HINT}") from None
+
+
+def compile_for(c_static: config_lib.Config) -> int:
     gen, spec, hbm_per_chip, chips = topology(c_static.compile_topology)
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=spec, **slice_shape(spec),
-                                        num_slices=c_static.compile_topology_num_slices)
+    desc = topology_desc(c_static.compile_topology, spec, c_static.compile_topology_num_slices)
     devices = desc.devices
     c = mesh_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices), "tpu")
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
@@ -98,8 +118,18 @@ def compile_for(c_static: config_lib.Config) -> int:
     return 0
 
 
+USAGE = """usage: python -m maxtrain.compile CONFIG.yml compile_topology=v5p-128 [key=value ...]
+
+Compiles the train step CONFIG.yml describes for a TPU topology (v4-N, v5e-N, v5p-N, v6e-N; more slices
+with compile_topology_num_slices) on this machine, and prints the memory per device against HBM and the
+FLOPs per step; exit 1 if it would not fit. Needs libtpu: pip install -e ".[tpu]"."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
 
     def run():
         c = config_lib.load(argv)

@@ -11,19 +11,19 @@ one a training run started from, or --hf_source), so token ids and context lengt
 
 Safety and memory: safetensors only (never pickle). Import reads tensors one at a time (one expert at a
 time) from memory maps into the single output copy; export restores one parameter (or one unrolled layer)
-at a time and writes one shard at a time. Everything is checked before anything is written, and the
-output appears under its final name only when complete.
+at a time, checks it against the step's digest as a restore would, and writes one shard at a time.
+Everything is checked before anything is written, and the output appears under its final name only when
+complete (maxtrain.staging): a failure leaves nothing at --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,12 +31,24 @@ from typing import Any
 import jax
 import numpy as np
 import yaml
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib, errors
+from maxtrain import config as config_lib, digest as digest_lib, errors
 from maxtrain.hf_format import (FUSED_EXPERTS_NAME, HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for,
                                 hf_kind, hf_names, model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
 from maxtrain.model import ModelArgs
+from maxtrain.staging import check_out, staged, unwritable
+
+
+class _QuietStepMetadata(logging.Filter):
+    """Orbax warns that a step's state/ lacks the metadata file its CheckpointManager keeps one level up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Metadata file does not exist")
+
+
+logging.getLogger("absl").addFilter(_QuietStepMetadata())
 
 
 def layer_stacks(m) -> list[tuple[str, list[int]]]:
@@ -61,7 +73,7 @@ def _as_override(value: Any) -> str:
 
 def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overrides: tuple[str, ...] = ()) -> Path:
     hf_path, out_path = Path(hf_dir), Path(out).absolute()
-    _check_out(out_path)
+    check_out(out_path)
     hf = read_json(hf_path / "config.json")
     hf_keys = model_keys_from_hf(hf)
     base = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides])
@@ -90,8 +102,11 @@ def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overri
                            f"the model is not a plain {hf['model_type']}")
 
     params = read_hf_params(reader, c, whole, layer)
-    with _staged(out_path) as tmp:
-        ckpt_lib.save_parameters(tmp, params, c)
+    with staged(out_path) as tmp:
+        try:
+            ckpt_lib.save_parameters(tmp, params, c)
+        except Exception as e:  # Orbax's writers raise many types; all of them are about --out here
+            raise unwritable(out_path, e) from None
         (tmp / "hf").mkdir()
         for name in HF_SIDE_FILES:
             if (hf_path / name).is_file():
@@ -188,6 +203,11 @@ class CheckpointParams:
             self.metadata = self._checkpointer.metadata(self.step_dir / "state").item_metadata.tree["params"]
         except Exception as e:  # Orbax raises many types for unreadable data
             raise ckpt_lib.restore_failed("--checkpoint", self.step_dir, e) from None
+        # A training run's step has a digest (parameters written by hf_to_maxtrain have none): each
+        # parameter is checked against it as it is read, as a restore would check the whole state.
+        self.record = ckpt_lib._read_digest(self.step_dir, "--checkpoint")
+        cpu = jax.local_devices(backend="cpu")[:1]
+        self._on_cpu = NamedSharding(Mesh(np.array(cpu), ("host",)), PartitionSpec())
 
     def read(self, *path: str):
         nested = _get(self.metadata, path)
@@ -200,7 +220,24 @@ class CheckpointParams:
                 item=target, restore_args=restore_args, partial_restore=True))
         except Exception as e:
             raise ckpt_lib.restore_failed("--checkpoint", self.step_dir, e) from None
+        self._verify(restored["params"])
         return _get(restored["params"], path)
+
+    def _verify(self, params) -> None:
+        """Every array just read against the step's digest: same checksums, all finite (a saved state is)."""
+        if self.record is None:
+            return
+        recorded = {e[0]: e for e in self.record["leaves"]}
+        try:
+            entries, finite = digest_lib.digest(jax.device_put(params, self._on_cpu), ".params")
+            bad = [e[0] for e in entries if recorded.get(e[0]) != e]
+            if bad:
+                raise digest_lib.Corrupt(f"{len(bad)} arrays differ from their checksums (first: {bad[0]})")
+            if not finite:
+                raise digest_lib.Corrupt("it holds non-finite values")
+        except (digest_lib.Corrupt, TypeError, ValueError) as e:
+            raise ckpt_lib.CheckpointError(f"--checkpoint: {self.step_dir} does not match its digest ({e}): the "
+                                           f"checkpoint is damaged; nothing written") from None
 
 
 def find_hf_source(step_dir: Path) -> Path | None:
@@ -221,7 +258,7 @@ def find_hf_source(step_dir: Path) -> Path | None:
 def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_positions: int | None = None,
                    max_shard_bytes: int = 2 << 30, hf_source: str | None = None) -> Path:
     out_path = Path(out).absolute()
-    _check_out(out_path)
+    check_out(out_path)
     ckpt = CheckpointParams(checkpoint)
     m = ckpt.signature
     if m["base_emb_dim"] % m["base_num_query_heads"]:  # transformers' configs refuse this
@@ -260,13 +297,16 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
                         yield from split(t, i, _get(params_i, t.path))
 
     from safetensors.numpy import save_file
-    with _staged(out_path) as tmp:
+    with staged(out_path) as tmp:
         shard_names, current, size = [], {}, 0
 
         def flush():
             nonlocal current, size
             shard_names.append(list(current))
-            save_file(current, tmp / f"shard-{len(shard_names)}.safetensors", metadata={"format": "pt"})
+            try:
+                save_file(current, tmp / f"shard-{len(shard_names)}.safetensors", metadata={"format": "pt"})
+            except Exception as e:  # safetensors' own error type for a failed write
+                raise unwritable(out_path, e) from None
             current, size = {}, 0
 
         for name, x in tensors():
@@ -302,26 +342,7 @@ def _name_shards(tmp: Path, shard_names: list[list[str]]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Output handling and CLI
-
-
-def _check_out(out_path: Path) -> None:
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise ConvertError(f"--out: {out_path} already exists and is not empty")
-
-
-@contextmanager
-def _staged(out_path: Path):
-    """Write into a temporary sibling directory; rename it to `out_path` only when complete."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.partial-", dir=out_path.parent))
-    try:
-        yield tmp
-        if out_path.exists():
-            out_path.rmdir()  # empty (checked before)
-        tmp.rename(out_path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+# CLI
 
 
 def main(argv: list[str] | None = None) -> int:

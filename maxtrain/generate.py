@@ -5,7 +5,9 @@
 
 Greedy by default. There is no KV cache yet: each new token reruns the model over one fixed-length buffer
 (prompt + max_new_tokens), so a single compiled program serves every position, and causal attention makes
-the not-yet-written tail irrelevant. Correct and simple; quadratic in the output length.
+the not-yet-written tail irrelevant. Correct and simple; quadratic in the output length. The buffer must
+fit max_target_length (the context the model runs at) and, compiled, the device's memory: both are
+checked before it runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib, errors
+from maxtrain import config as config_lib, errors, fit, summary
 from maxtrain import mesh as mesh_lib, step as step_lib, tokenizer as tokenizer_lib
 from maxtrain.model import output_logits
 from maxtrain.train import load_config, say
@@ -62,12 +64,39 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
     step = jax.jit(step, out_shardings=(trainer.batch_sharding, mesh_lib.replicated(trainer.mesh)),
                    donate_argnums=1)
     rng, new = jax.random.key(seed), []
+    step = step.lower(params, buffer_RxT, start, rng).compile()
+    check_memory(step, trainer.mesh, total, max_new_tokens)
     for position in range(start, start + max_new_tokens):
         buffer_RxT, token = step(params, buffer_RxT, position, jax.random.fold_in(rng, position))
         new.append(int(token))
         if new[-1] == eos_id:
             break
     return new
+
+
+def check_length(c: config_lib.Config, prompt_ids: list[int]) -> None:
+    """The prompt and the new tokens share one buffer, which must fit the context the model runs at:
+    RoPE would go on past it, but into positions the model never saw (raise max_target_length to allow
+    that). Checked before anything is built or compiled."""
+    room = c.max_target_length - len(prompt_ids)
+    key = "prompt_ids" if c.prompt_ids else "prompt"
+    if room <= 0:
+        raise config_lib.ConfigError(key, f"{len(prompt_ids)} tokens leave no room for new ones in "
+                                     f"max_target_length={c.max_target_length}")
+    if c.max_new_tokens > room:
+        raise config_lib.ConfigError("max_new_tokens", f"{c.max_new_tokens} after a {len(prompt_ids)}-token prompt "
+                                     f"exceeds max_target_length={c.max_target_length}, the context the model "
+                                     f"runs at: at most {room} (raise max_target_length to go further)")
+
+
+def check_memory(compiled, mesh, total: int, max_new_tokens: int) -> None:
+    """The compiled step (the model over the whole buffer) against a device's memory, before it runs."""
+    need = summary.memory_report(compiled)["total"] * fit.GiB
+    have, source = fit.device_memory(mesh.devices.flat[0])
+    if need > have:
+        raise fit.FitError(f"max_new_tokens: {max_new_tokens} makes a {total}-token buffer, and running the model "
+                           f"over it needs {need / fit.GiB:.2f} GiB per device, more than the {have / fit.GiB:.2f} "
+                           f"GiB a device has ({source}); lower max_new_tokens")
 
 
 def run(c: config_lib.Config) -> list[int]:
@@ -89,6 +118,7 @@ def run(c: config_lib.Config) -> list[int]:
         prompt_ids = tokenizer.encode(c.prompt).tolist()
     if not prompt_ids:
         raise config_lib.ConfigError("prompt_ids" if c.prompt_ids else "prompt", "gives no tokens to start from")
+    check_length(c, prompt_ids)
 
     mesh = mesh_lib.make_mesh(c)
     trainer = step_lib.build(c, mesh)
@@ -103,8 +133,18 @@ def run(c: config_lib.Config) -> list[int]:
     return new
 
 
+USAGE = """usage: python -m maxtrain.generate CONFIG.yml load_parameters_path=DIR prompt="text" [key=value ...]
+
+Continues a prompt (prompt="text", or prompt_ids=1,2,3) with max_new_tokens tokens from the parameters
+in load_parameters_path (a checkpoint step, or a directory maxtrain.convert wrote); greedy unless
+temperature > 0 (top_k, sampling_seed). The prompt and the new tokens together fit max_target_length."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     return errors.exit_code(lambda: run(load_config(argv)))
 
 

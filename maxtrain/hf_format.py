@@ -143,6 +143,36 @@ def hf_names(t: Tensor, layer: int | None = None) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # HF config.json <-> maxtrain model keys
 
+_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads")
+_COMMON = {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+# What transformers (5.x) assumes for each key a config.json leaves out, per family: the defaults of
+# its <Family>Config (rope_theta: the class's default_theta). None as transformers has it: "derived"
+# (num_key_value_heads = num_attention_heads, head_dim = hidden_size // num_attention_heads) or "none".
+# tests/test_convert_defaults.py holds this table to transformers' own.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _COMMON | dict(zip(_SHAPE, (32000, 4096, 11008, 32, 32, None))) | {
+        "head_dim": None, "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": _COMMON | dict(zip(_SHAPE, (32000, 4096, 14336, 32, 32, 8))) | {
+        "head_dim": None, "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2": _COMMON | dict(zip(_SHAPE, (151936, 4096, 22016, 32, 32, 32))) | {
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
+        "bos_token_id": None, "eos_token_id": None},
+    "mixtral": _COMMON | dict(zip(_SHAPE, (32000, 4096, 14336, 32, 32, 8))) | {
+        "rope_theta": 1e6, "rms_norm_eps": 1e-5, "head_dim": None, "sliding_window": None,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+        "bos_token_id": 1, "eos_token_id": 2},
+    "qwen3_moe": _COMMON | dict(zip(_SHAPE, (151936, 2048, 6144, 24, 32, 4))) | {
+        "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": False,
+        "router_aux_loss_coef": 0.001, "mlp_only_layers": None, "bos_token_id": None, "eos_token_id": None},
+}
+
+
+def with_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """An HF config.json with transformers' defaults for the keys it leaves out (a supported family's)."""
+    return {**HF_DEFAULTS.get(hf.get("model_type"), {}), **hf}
+
 
 def _number(hf: dict[str, Any], key: str, default: float) -> float:
     value = hf.get(key)
@@ -167,9 +197,9 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
     if hf.get("model_type") == "qwen3_moe":  # transformers 5 applies it to every layer, older ones to some
         return hf.get("sliding_window") if hf.get("use_sliding_window") else None
     if hf.get("model_type") == "qwen2":
-        if not hf.get("use_sliding_window"):
+        if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
             return None
-        types = hf.get("layer_types") or ["sliding_attention" if i >= (hf.get("max_window_layers") or 0)
+        types = hf.get("layer_types") or ["sliding_attention" if i >= hf["max_window_layers"]
                                           else "full_attention" for i in range(hf["num_hidden_layers"])]
         if "sliding_attention" not in types:
             return None
@@ -177,16 +207,18 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
 
 
 def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """maxtrain model keys for an HF config.json, or a ConvertError naming what is unsupported."""
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        _positive_int(hf, key)
+    """maxtrain model keys for an HF config.json (keys it leaves out have transformers' defaults), or a
+    ConvertError naming what is unsupported."""
     kind = hf.get("model_type")
     if kind == "qwen2_moe":
         raise ConvertError("config.json: model_type 'qwen2_moe' is not supported (its shared expert has a sigmoid "
                            f"gate, which maxtrain lacks; supported: {', '.join(SUPPORTED)})")
     if kind not in SUPPORTED:
         raise ConvertError(f"config.json: model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+    hf, defaults = with_defaults(hf), HF_DEFAULTS[kind]
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        _positive_int(hf, key)
+    if hf.get("hidden_act") not in ("silu", "swish"):
         raise ConvertError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
@@ -221,9 +253,9 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
         "base_mlp_dim": hf["intermediate_size"],
         "base_num_decoder_layers": hf["num_hidden_layers"],
-        "rope_theta": _number(rope, "rope_theta", _number(hf, "rope_theta", 10000.0)),
-        "normalization_layer_epsilon": _number(hf, "rms_norm_eps", 1e-6),
-        "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+        "rope_theta": _number(rope, "rope_theta", _number(hf, "rope_theta", defaults["rope_theta"])),
+        "normalization_layer_epsilon": _number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
+        "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
         "qkv_bias": kind == "qwen2",
         **scaling,
         **(_moe_keys(hf, kind) if kind in MOE else {"use_qk_norm": False, "num_experts": 1}),
@@ -242,17 +274,18 @@ def _moe_keys(hf: dict[str, Any], kind: str) -> dict[str, Any]:
         raise ConvertError(f"config.json: num_experts_per_tok={top_k} exceeds {experts_key}={experts}")
     keys = {"num_experts": experts, "num_experts_per_tok": top_k, "shared_experts": 0, "first_num_dense_layers": 0,
             "routed_score_func": "softmax", "routed_bias": False, "routed_scaling_factor": 1.0,
-            "load_balance_loss_weight": _number(hf, "router_aux_loss_coef", 0.001)}
+            "load_balance_loss_weight": _number(hf, "router_aux_loss_coef",
+                                                HF_DEFAULTS[kind]["router_aux_loss_coef"])}
     if kind == "mixtral":  # every layer sparse; softmax over all experts, top-k, renormalised
         return keys | {"use_qk_norm": False, "base_moe_mlp_dim": -1, "norm_topk_prob": True}
-    step = hf.get("decoder_sparse_step", 1)
+    step = hf.get("decoder_sparse_step")
     if step != 1:
         raise ConvertError(f"config.json: decoder_sparse_step={step!r} is not supported (maxtrain's Qwen3-MoE "
                            f"layers are all sparse: 1)")
     if hf.get("mlp_only_layers"):
         raise ConvertError(f"config.json: mlp_only_layers={hf['mlp_only_layers']!r} is not supported (maxtrain's "
                            f"Qwen3-MoE layers are all sparse: [])")
-    norm_topk = hf.get("norm_topk_prob", False)  # transformers' default
+    norm_topk = hf.get("norm_topk_prob")
     if not isinstance(norm_topk, bool):
         raise ConvertError(f"config.json: norm_topk_prob={norm_topk!r} is not true or false")
     return keys | {"use_qk_norm": True, "base_moe_mlp_dim": _positive_int(hf, "moe_intermediate_size"),
@@ -415,6 +448,7 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 
 def tokenizer_settings(hf_path: Path, hf: dict, where: Path) -> dict[str, Any]:
     """maxtrain tokenizer keys for the HF tokenizer shipped with the model (copied to `where`)."""
+    hf = with_defaults(hf)  # Llama's token ids default to 1 and 2
     if (hf_path / "tokenizer.json").is_file():
         tok = tokenizer_lib.HuggingFaceTokenizer(str(hf_path / "tokenizer.json"), False, False, "", "")
 

@@ -75,8 +75,18 @@ class HuggingFaceTokenizer(Tokenizer):
         except Exception:  # the Rust side raises a bare Exception for unparseable files
             raise ConfigError("tokenizer_path", f"{path}: cannot load as a HuggingFace tokenizer.json") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._tok.token_to_id(bos_token) if bos_token else None
-        self.eos_id = self._tok.token_to_id(eos_token) if eos_token else None
+        self.bos_id = self._token_id("hf_bos_token", bos_token, path)
+        self.eos_id = self._token_id("hf_eos_token", eos_token, path)
+
+    def _token_id(self, key: str, token: str, path: str) -> int | None:
+        """The id of a special token named by its text; a name the vocabulary lacks would silently
+        drop every document's bos or eos."""
+        if not token:
+            return None
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise ConfigError(key, f"{token!r} is not a token of {path}")
+        return token_id
 
     def _encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -278,7 +278,8 @@ def test_export_refusals(tmp_path, capsys):
     (["load_parameters_path=/nonexistent", "prompt_ids=1,999"], "prompt_ids: token id 999 is outside"),
     (["load_parameters_path=/nonexistent", "prompt_ids=,"], "prompt_ids: gives no tokens"),
     (["load_parameters_path=/nonexistent", "prompt_ids=1", "top_k=300"], "top_k: 300 exceeds vocab_size=256"),
-    (["load_parameters_path=/nonexistent", "prompt_ids=1"], "not a maxtrain checkpoint step directory"),
+    (["load_parameters_path=/nonexistent", "prompt_ids=1", "max_new_tokens=4"],
+     "not a maxtrain checkpoint step directory"),
 ])
 def test_generate_refusals(capsys, args, expected):
     assert generate.main([str(TESTS / "configs" / "tiny.yml"), *args]) == 2

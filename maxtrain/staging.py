@@ -1,0 +1,72 @@
+"""The output directory of a conversion (--out): checked before any work, written under a temporary
+sibling name, renamed when complete. A failure (a file in the way, a read-only or full disk, bad input
+found half-way) is one line naming --out and leaves nothing behind."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from maxtrain.checkpoint import os_error_text
+from maxtrain.errors import UserError
+from maxtrain.hf_format import ConvertError
+
+
+def unwritable(out_path: Path, e: BaseException) -> ConvertError:
+    return ConvertError(f"--out: cannot write {out_path}: {os_error_text(e)}")
+
+
+def check_out(out_path: Path) -> None:
+    """Refuses an --out that holds something or cannot be written, before any work is done."""
+    try:
+        taken = out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir()))
+        existing = next(p for p in out_path.parents if p.exists())
+    except OSError as e:
+        raise unwritable(out_path, e) from None
+    if taken:
+        raise ConvertError(f"--out: {out_path} already exists and is not empty")
+    if not existing.is_dir():
+        raise ConvertError(f"--out: cannot write {out_path}: {existing} is a file, not a directory")
+    with staged(out_path, keep=False):  # can the directory beside it be written?
+        pass
+
+
+@contextmanager
+def staged(out_path: Path, keep: bool = True):
+    """Yields a temporary sibling directory to write into, renamed to `out_path` when the block completes
+    (`keep`). On any failure nothing stays: not the temporary directory, nor the parents made for it."""
+    made: list[Path] = []
+    tmp, done = None, False
+    try:
+        made = [p for p in (out_path.parent, *out_path.parent.parents) if not p.exists()]  # innermost first
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.partial-", dir=out_path.parent))
+    except OSError as e:
+        _remove(tmp, made)
+        raise unwritable(out_path, e) from None
+    try:
+        yield tmp
+        if keep:
+            if out_path.exists():
+                out_path.rmdir()  # empty (checked before)
+            tmp.rename(out_path)
+            done = True
+    except UserError:
+        raise
+    except OSError as e:  # disk full, read-only, permissions: this is about --out
+        raise unwritable(out_path, e) from None
+    finally:
+        if not done:
+            _remove(tmp, made)
+
+
+def _remove(tmp: Path | None, made: list[Path]) -> None:
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for p in made:
+        try:
+            p.rmdir()
+        except OSError:  # not empty: something else put it there meanwhile
+            pass
