@@ -57,7 +57,7 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
     def step(params, buffer_RxT, position, rng):
         hidden_RxTxD, out_DxV = model.apply({"params": params}, buffer_RxT, return_hidden=True)
         hidden_1x1xD = jax.lax.dynamic_slice_in_dim(hidden_RxTxD[:1], position - 1, 1, axis=1)
-        logits_V = output_logits(hidden_1x1xD, out_DxV, c.logits_dot_in_fp32)[0, 0]
+        logits_V = output_logits(hidden_1x1xD, out_DxV, c.logits_dot_in_fp32)[0, 0, :c.vocab_size]  # not the padding
         token = choose(logits_V, rng, temperature, top_k)
         return buffer_RxT.at[:, position].set(token), token
 

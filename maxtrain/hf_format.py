@@ -94,11 +94,21 @@ def tensor_table(m: dict[str, Any], fused_experts: bool = False) -> tuple[list[T
         layer += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
                   Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
                   Tensor(("attention", "bv"), "self_attn.v_proj.bias", (n * k,), *bias(n))]
-    whole = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), same, same),
+    rows, cut = _vocab_padding(v)
+    whole = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), rows, cut),
              Tensor(("final_norm", "scale"), "model.norm.weight", (d,), same, same)]
     if not m["logits_via_embedding"]:
-        whole.append(Tensor(("output",), "lm_head.weight", (v, d), T, T))
+        whole.append(Tensor(("output",), "lm_head.weight", (v, d), lambda x: rows(x).T, lambda w: cut(w.T)))
     return whole, layer
+
+
+def _vocab_padding(v: int):
+    """[V, D] -> maxtrain's [padded V, D] (zero rows: model.padded_vocab) and back to HF's true V."""
+    from maxtrain.model import padded_vocab
+    pad = padded_vocab(v) - v
+    if not pad:
+        return (lambda x: x), (lambda w: w)
+    return (lambda x: np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])), (lambda w: w[:v])
 
 
 def _expert_tensors(m: dict[str, Any], fused: bool) -> list[Tensor]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxtrain.model import merge_chunks, output_logits, split_chunks
+from maxtrain import mesh as mesh_lib
+from maxtrain.model import mask_padding, merge_chunks, output_logits, split_chunks
 
 
 def cross_entropy_sums_from_logits(logits_BxLxV, targets_BxL, weights_BxL):
@@ -29,10 +29,11 @@ def _sums(logits_BxLxV, targets_BxL, weights_BxL):
 
 
 def cross_entropy_loss(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, dot_in_fp32: bool,
-                       z_loss_multiplier: float = 0.0):
+                       z_loss_multiplier: float = 0.0, vocab: int | None = None):
     """(ce_sum + z_loss_multiplier * z_sum, ce_sum), forming logits for `chunk` positions at a time
     (chunk = L: all at once) from the final hidden state x and the output matrix (in its stored dtype,
-    e.g. float32; the matmuls run in x's dtype). Only the first is differentiable.
+    e.g. float32; the matmuls run in x's dtype). Only the first is differentiable. The output matrix's
+    columns past `vocab` (default: none) are padding, masked out of the loss (model.mask_padding).
 
     Under differentiation the forward pass also forms the gradients (the cotangent that arrives in the
     backward pass is a scalar that only scales them): per chunk it turns the logits into their
@@ -42,24 +43,25 @@ def cross_entropy_loss(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, d
     gradient ever exists: each chunk's output-matrix gradient joins an accumulator held in the
     matrix's own sharding and dtype, so under fsdp it is reduce-scattered as it is made.
     """
-    total, ce_sum = _fused(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_BxL, weights_BxL)
+    vocab = out_DxV.shape[1] if vocab is None else vocab
+    total, ce_sum = _fused(chunk, dot_in_fp32, z_loss_multiplier, vocab, x_BxLxD, out_DxV, targets_BxL, weights_BxL)
     return total, jax.lax.stop_gradient(ce_sum)  # the backward ignores ce_sum's cotangent
 
 
-def _chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC, dot_in_fp32):
+def _chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC, dot_in_fp32, vocab):
     """One chunk's float32 logits, log Z, and summed cross-entropy and log(Z)^2."""
-    logits_BxCxV = output_logits(x_BxCxD, w_DxV, dot_in_fp32)
-    logits_BxCxV = nn.with_logical_constraint(logits_BxCxV, ("batch", "length", "vocab"))
+    logits_BxCxV = mask_padding(output_logits(x_BxCxD, w_DxV, dot_in_fp32), vocab)
+    logits_BxCxV = mesh_lib.constrain(logits_BxCxV, ("batch", "length", "vocab"))
     return (logits_BxCxV, *_sums(logits_BxCxV, targets_BxC, weights_BxC))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_BxL, weights_BxL):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fused(chunk, dot_in_fp32, z_loss_multiplier, vocab, x_BxLxD, out_DxV, targets_BxL, weights_BxL):
     """Loss only (evaluation, or a forward not differentiated)."""
     w_DxV = out_DxV.astype(x_BxLxD.dtype)
 
     def body(sums, xs):
-        _, _, ce, z = _chunk_sums(xs[0], w_DxV, xs[1], xs[2], dot_in_fp32)
+        _, _, ce, z = _chunk_sums(xs[0], w_DxV, xs[1], xs[2], dot_in_fp32, vocab)
         return (sums[0] + ce, sums[1] + z), None
 
     chunks = [split_chunks(a, chunk) for a in (x_BxLxD, targets_BxL, weights_BxL)]
@@ -67,32 +69,31 @@ def _fused(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_BxL,
     return ce + z_loss_multiplier * z, ce
 
 
-def _fused_fwd(chunk, dot_in_fp32, z_loss_multiplier, x_BxLxD, out_DxV, targets_BxL, weights_BxL):
+def _fused_fwd(chunk, dot_in_fp32, z_loss_multiplier, vocab, x_BxLxD, out_DxV, targets_BxL, weights_BxL):
     w_DxV = out_DxV.astype(x_BxLxD.dtype)
-    vocab = out_DxV.shape[1]
 
     def body(carry, xs):
         ce_sum, z_sum, d_out_DxV = carry
         x_BxCxD, targets_BxC, weights_BxC = xs
-        logits_BxCxV, log_z_BxC, ce, z = _chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC, dot_in_fp32)
+        logits_BxCxV, log_z_BxC, ce, z = _chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC, dot_in_fp32, vocab)
         # d/dlogits of weights * (log_z - logit[target] + z_loss_multiplier * log_z^2)
         probs_BxCxV = jnp.exp(logits_BxCxV - log_z_BxC[..., None])
         d_log_z_BxC = weights_BxC * (1.0 + 2.0 * z_loss_multiplier * log_z_BxC)
-        is_target_BxCxV = jnp.arange(vocab) == targets_BxC[..., None]
+        is_target_BxCxV = jnp.arange(out_DxV.shape[1]) == targets_BxC[..., None]
         d_logits_BxCxV = probs_BxCxV * d_log_z_BxC[..., None] - jnp.where(is_target_BxCxV, weights_BxC[..., None], 0.0)
         d_logits_BxCxV = d_logits_BxCxV.astype(x_BxLxD.dtype)
         d_x_BxCxD = jnp.einsum("bcv,dv->bcd", d_logits_BxCxV, w_DxV)
         d_w_DxV = jnp.einsum("bcd,bcv->dv", x_BxCxD, d_logits_BxCxV)
-        d_w_DxV = nn.with_logical_constraint(d_w_DxV, ("embed", "vocab"))  # reduce-scatter now
+        d_w_DxV = mesh_lib.constrain(d_w_DxV, ("embed", "vocab"))  # reduce-scatter now
         return (ce_sum + ce, z_sum + z, d_out_DxV + d_w_DxV.astype(out_DxV.dtype)), d_x_BxCxD
 
-    zeros_DxV = nn.with_logical_constraint(jnp.zeros_like(out_DxV), ("embed", "vocab"))
+    zeros_DxV = mesh_lib.constrain(jnp.zeros_like(out_DxV), ("embed", "vocab"))
     chunks = [split_chunks(a, chunk) for a in (x_BxLxD, targets_BxL, weights_BxL)]
     (ce, z, d_out_DxV), d_x_NxBxCxD = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(()), zeros_DxV), chunks)
     return (ce + z_loss_multiplier * z, ce), (merge_chunks(d_x_NxBxCxD), d_out_DxV)
 
 
-def _fused_bwd(chunk, dot_in_fp32, z_loss_multiplier, residuals, cotangents):
+def _fused_bwd(chunk, dot_in_fp32, z_loss_multiplier, vocab, residuals, cotangents):
     d_x_BxLxD, d_out_DxV = residuals
     d_total = cotangents[0]  # ce_sum's is always zero: cross_entropy_loss stops its gradient
     # each gradient in its primal's dtype (a float32 scalar times bfloat16 would make float32)

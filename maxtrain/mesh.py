@@ -81,12 +81,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
 # ask of the mesh, by logical names.
 
 
-def active_axes(logical: tuple) -> tuple[tuple[str, ...], ...]:
-    """The mesh axes each logical dimension maps to under the active mesh and rules, as tuples."""
-    if jax.sharding.get_abstract_mesh().empty or not nn.get_logical_axis_rules():
+def active_axes(logical: tuple, shape=None) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes each logical dimension maps to under the active mesh and rules, as tuples; with
+    `shape`, only those that split each dimension evenly (even_axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not nn.get_logical_axis_rules():
         return tuple(() for _ in logical)
-    spec = nn.logical_to_mesh_axes(logical)
-    return tuple(() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec)
+    axes = [_as_list(s) for s in nn.logical_to_mesh_axes(logical)]
+    if shape is not None:
+        axes = [even_axes(a, n, mesh.shape)[0] for a, n in zip(axes, shape)]
+    return tuple(tuple(a) for a in axes)
 
 
 def active_shards(logical: tuple) -> tuple[int, ...]:
@@ -99,6 +103,14 @@ def splits_evenly(logical: tuple, shape) -> bool:
     """Whether an array of `shape` with those logical dimensions divides over the devices that split them
     (not, e.g., the batch-of-1 trace at init)."""
     return all(n % k == 0 for n, k in zip(shape, active_shards(logical)))
+
+
+def constrain(x, logical: tuple):
+    """nn.with_logical_constraint, except that a dimension is left unsharded on a mesh axis that does not
+    divide it, as its parameters are (even_axes)."""
+    if splits_evenly(logical, x.shape):
+        return nn.with_logical_constraint(x, logical)
+    return jax.lax.with_sharding_constraint(x, _partition_spec(active_axes(logical, x.shape)))
 
 
 def length_shards() -> int:
@@ -140,10 +152,11 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
 
     tensor = shape["tensor"]
     for key in ("base_num_query_heads", "base_num_kv_heads"):
-        if c[key] % tensor:
-            raise ConfigError(key, f"{c[key]} is not divisible by the tensor axis ({tensor})")
+        if c[key] % tensor:  # attention runs per device's heads (splash, context parallelism): no uneven split
+            raise ConfigError(key, f"{c[key]} is not divisible by {_axis_keys(['tensor'], ici, dcn)}: "
+                              f"the attention heads are split over the tensor axis ({tensor})")
     if c["num_experts"] > 1:
-        _check_expert_sharding(c, shape)
+        _check_expert_sharding(c, shape, ici, dcn)
     pieces = shape["context"] * (2 if c["context_parallel_load_balance"] else 1)
     if shape["context"] > 1 and c["max_target_length"] % pieces:
         why = " x 2 (context_parallel_load_balance)" if pieces > shape["context"] else ""
@@ -176,7 +189,14 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
     return Config(c)
 
 
-def _check_expert_sharding(c: dict[str, Any], shape: dict[str, int]) -> None:
+def _axis_keys(axes, ici: dict[str, int], dcn: dict[str, int]) -> str:
+    """The parallelism keys that size mesh `axes` (those above 1), as a user sets them."""
+    keys = [f"{group}_{a}_parallelism={sizes[a]}" for a in axes for group, sizes in (("ici", ici), ("dcn", dcn))
+            if sizes[a] > 1]
+    return " x ".join(keys) or "1 device"
+
+
+def _check_expert_sharding(c: dict[str, Any], shape: dict[str, int], ici, dcn) -> None:
     """The experts run under shard_map, which splits evenly or not at all."""
     rules = c["logical_axis_rules"]
     experts, embed, mlp = spec_for(rules, ("experts", "embed", "moe_mlp"))
@@ -184,29 +204,83 @@ def _check_expert_sharding(c: dict[str, Any], shape: dict[str, int]) -> None:
                             ("base_moe_mlp_dim", c["moe_mlp_dim"], mlp)):
         shards = math.prod(shape[a] for a in axes)
         if size % shards:
-            raise ConfigError(key, f"{size} is not divisible by the {' x '.join(axes)} axes ({shards}) the expert "
-                              f"weights are split over")
+            raise ConfigError(key, f"{size} is not divisible by {_axis_keys(axes, ici, dcn)} ({shards} shards): "
+                              f"the expert weights are split over {' x '.join(axes)}, evenly or not at all")
     if math.prod(shape[a] for a in experts) > 1 and not set(experts) <= set(mesh_axes_for(rules, "batch")):
         raise ConfigError("logical_axis_rules", "the mesh axes of `experts` must also split `batch` (tokens "
                           "travel to their experts' devices)")
 
 
-def spec_for(rules: list, names: tuple[str, ...]) -> list[list[str]]:
+# ---------------------------------------------------------------------------------------------
+# The one resolver: logical names (and sizes) -> mesh axes. The parameters' shardings (param_shardings),
+# the activations' constraints (constrain) and the planners (fit, platform_defaults, the checks above)
+# all leave a dimension unsharded on a mesh axis that does not divide it, by even_axes.
+
+
+def _as_list(target) -> list[str]:
+    return [] if target is None else [target] if isinstance(target, str) else list(target)
+
+
+def _partition_spec(axes) -> PartitionSpec:
+    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else tuple(a) for a in axes))
+
+
+def even_axes(axes, size: int, mesh_shape) -> tuple[list[str], list[str]]:
+    """(the mesh axes, in order, that split a dimension of `size` evenly together, the axes left out).
+    A dimension the mesh does not divide is replicated on that axis rather than split unevenly: jax
+    refuses uneven shards, and XLA would pad them."""
+    kept, left, shards = [], [], 1
+    for a in axes:
+        if size % (shards * mesh_shape[a]):
+            left.append(a)
+        else:
+            kept.append(a)
+            shards *= mesh_shape[a]
+    return kept, left
+
+
+def spec_for(rules: list, names: tuple[str, ...], shape=None, mesh_shape=None) -> list[list[str]]:
     """The mesh axes of each dimension of an array with logical `names`, as flax assigns them: rules in
-    order, each used only where its mesh axes are all still free."""
+    order, each used only where its mesh axes are all still free; with `shape` and `mesh_shape`, only the
+    axes that split each dimension evenly (even_axes)."""
     result: list[list[str] | None] = [None] * len(names)
     for name, target in rules:
-        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
+        axes = _as_list(target)
         if name in names and result[names.index(name)] is None and not any(
                 a in used for used in result if used for a in axes):
             result[names.index(name)] = axes
-    return [r or [] for r in result]
+    result = [r or [] for r in result]
+    if shape is not None:
+        result = [even_axes(axes, n, mesh_shape)[0] for axes, n in zip(result, shape)]
+    return result
 
 
-def mesh_axes_for(rules: list, logical: str) -> list[str]:
-    """Mesh axes that a logical axis maps to (the first matching rule wins)."""
-    for name, target in rules:
-        if name == logical:
-            return [] if target is None else [target] if isinstance(target, str) else list(target)
-    return []
+def mesh_axes_for(rules: list, logical: str, size: int | None = None, mesh_shape=None) -> list[str]:
+    """Mesh axes that a logical axis maps to (the first matching rule wins); with `size` and `mesh_shape`,
+    only those that split a dimension of that size evenly (even_axes)."""
+    axes = next((_as_list(target) for name, target in rules if name == logical), [])
+    return axes if size is None else even_axes(axes, size, mesh_shape)[0]
+
+
+def param_shardings(logical_specs, shapes, mesh: Mesh, rules: tuple):
+    """NamedShardings of the parameters from their logical specs (a tree of PartitionSpecs) and shapes
+    (a matching tree of arrays or ShapeDtypeStructs), each dimension only on the axes that divide it."""
+    def one(spec, x):
+        axes = [_as_list(a) for a in nn.logical_to_mesh_axes(tuple(spec), rules)]
+        return NamedSharding(mesh, _partition_spec(even_axes(a, n, mesh.shape)[0] for a, n in zip(axes, x.shape)))
+    return jax.tree.map(one, logical_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def uneven_notes(logical_specs, shapes, rules, mesh_shape) -> list[str]:
+    """One line per (logical dimension, size, mesh axis) that param_shardings leaves unsharded, for the
+    run's start."""
+    notes = []
+    specs = jax.tree.leaves(logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for spec, x in zip(specs, jax.tree.leaves(shapes)):
+        for name, target, n in zip(tuple(spec), nn.logical_to_mesh_axes(tuple(spec), rules), x.shape):
+            for a in even_axes(_as_list(target), n, mesh_shape)[1]:
+                line = f"note: {name} ({n}) is not divisible by {a}={mesh_shape[a]}: left unsharded on that axis"
+                if line not in notes:
+                    notes.append(line)
+    return notes
 

@@ -19,12 +19,22 @@ from jax.sharding import PartitionSpec
 
 from maxtrain import attention, mesh as mesh_lib, moe, quantization, remat
 
-constrain = nn.with_logical_constraint
+constrain = mesh_lib.constrain
+
+# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
+# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
+# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
+# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
-    vocab: int
+    vocab: int  # the true vocabulary; the parameters hold padded_vocab(vocab) entries
     embed: int
     heads: int
     kv_heads: int
@@ -82,6 +92,10 @@ class ModelArgs:
             capacity_factor=c.capacity_factor, routed_score_func=c.routed_score_func,
             norm_topk_prob=c.norm_topk_prob, routed_bias=c.routed_bias,
             routed_scaling_factor=c.routed_scaling_factor, moe_grouped_matmul=c.moe_grouped_matmul)
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab(self.vocab)
 
     def stacks(self) -> list[tuple[str, int, bool]]:
         """(name, layers, is MoE) of each layer stack: `layers` for a dense model; an MoE model's leading
@@ -267,7 +281,7 @@ class Decoder(nn.Module):
             segment_ids_BxL = jnp.ones_like(tokens_BxL)
 
         embed_init = nn.with_logical_partitioning(nn.initializers.normal(a.embed ** -0.5), ("vocab", "embed"))
-        embedding_VxD = self.param("embedding", embed_init, (a.vocab, a.embed), a.weight_dtype)
+        embedding_VxD = self.param("embedding", embed_init, (a.padded_vocab, a.embed), a.weight_dtype)
         x_BxLxD = embed(embedding_VxD, tokens_BxL, a.dtype)
 
         layer = DecoderLayer
@@ -290,10 +304,10 @@ class Decoder(nn.Module):
         if a.tied_embeddings:
             out_DxV = embedding_VxD.T
         else:
-            out_DxV = dense_weight(self, "output", (a.embed, a.vocab), ("embed", "vocab"), stored_dtype=True)
-        if return_hidden:
+            out_DxV = dense_weight(self, "output", (a.embed, a.padded_vocab), ("embed", "vocab"), stored_dtype=True)
+        if return_hidden:  # the output matrix padded: see mask_padding
             return x_BxLxD, out_DxV
-        logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32)
+        logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32)[..., :a.vocab]
         return constrain(logits_BxLxV, ("batch", "length", "vocab"))
 
 
@@ -306,6 +320,13 @@ def output_logits(x_BxLxD, out_DxV, dot_in_fp32: bool):
     return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV).astype(jnp.float32)
 
 
+def mask_padding(logits_BxLxV, vocab: int):
+    """Logits over the padded vocabulary with the padding's at -inf: out of log Z, probability 0, gradient 0."""
+    if logits_BxLxV.shape[-1] == vocab:
+        return logits_BxLxV
+    return jnp.where(jnp.arange(logits_BxLxV.shape[-1]) < vocab, logits_BxLxV, -jnp.inf)
+
+
 def embed(embedding_VxD, tokens_BxL, dtype):
     """The table's rows for the tokens, in `dtype`. Under a mesh that splits the table's columns
     (fsdp), each device looks up the tokens of all the devices sharing the table in the columns it
@@ -313,7 +334,7 @@ def embed(embedding_VxD, tokens_BxL, dtype):
     table never moves, and its gradient is a float32 scatter-add into each device's own columns. Left
     to GSPMD (llama3-8b, 131,072 tokens, context 16) XLA added into a whole [V, D] float32 table: 4 GiB."""
     lookup = lambda table_VxE, tokens: jnp.take(table_VxE, tokens, axis=0).astype(dtype)  # noqa: E731
-    column_axes = mesh_lib.active_axes(("vocab", "embed"))[1]
+    column_axes = mesh_lib.active_axes(("vocab", "embed"), embedding_VxD.shape)[1]  # as the table is split
     if not column_axes or not mesh_lib.splits_evenly(("batch", "length"), tokens_BxL.shape):
         return constrain(lookup(embedding_VxD, tokens_BxL), ("batch", "length", "embed"))
     token_spec = PartitionSpec(*nn.logical_to_mesh_axes(("batch", "length")))

@@ -9,6 +9,7 @@ from typing import Any
 
 from maxtrain import quantization
 from maxtrain.mesh import mesh_axes_for
+from maxtrain.model import padded_vocab
 
 
 def resolve(c: dict[str, Any], platform: str) -> None:
@@ -64,13 +65,15 @@ def summary(c) -> str:
 def auto_chunks(c: dict[str, Any]) -> None:
     """loss_chunk_size / mlp_chunk_size = -1: chunk where the unchunked tensor would be large per device
     (moe_chunk_size: mlp_chunk_size's value for an MoE layer)."""
-    def shards(logical: str) -> int:
-        return math.prod(c["mesh_shape"][a] for a in mesh_axes_for(c["logical_axis_rules"], logical))
+    def shards(logical: str, size: int | None = None) -> int:  # with a size: as the resolver splits it
+        axes = mesh_axes_for(c["logical_axis_rules"], logical, size, c["mesh_shape"])
+        return math.prod(c["mesh_shape"][a] for a in axes)
     rows = c["global_batch_size"] / shards("batch") / c["gradient_accumulation_steps"]
     length = c["max_target_length"] // shards("length")  # each device's positions (chunks split those)
     itemsize = 2 if c["dtype"] == "bfloat16" else 4
-    sizes = {"loss_chunk_size": rows * length * c["vocab_size"] / shards("vocab") * 4,
-             "mlp_chunk_size": rows * length * c["base_mlp_dim"] / shards("mlp") * itemsize}
+    vocab = padded_vocab(c["vocab_size"])
+    sizes = {"loss_chunk_size": rows * length * vocab / shards("vocab", vocab) * 4,
+             "mlp_chunk_size": rows * length * c["base_mlp_dim"] / shards("mlp", c["base_mlp_dim"]) * itemsize}
     c["moe_chunk_size"] = c["mlp_chunk_size"]  # one key for both layers; their auto rules differ
     for key, (chunk, limit) in AUTO_CHUNKS.items():
         if c[key] == -1:

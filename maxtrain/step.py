@@ -48,7 +48,7 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
                                                mutable=["intermediates"])
     total, ce_sum = loss.cross_entropy_loss(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
                                             loss_chunk_size or x_BxLxD.shape[1], model.args.logits_dot_in_fp32,
-                                            z_loss_multiplier)
+                                            z_loss_multiplier, model.args.vocab)
     tokens = jnp.sum(weights_BxL)
     aux = {"loss_sum": ce_sum, "tokens": tokens}
     if model.args.num_experts > 1:
@@ -87,6 +87,7 @@ class Trainer:
     eval_step: Callable[[Any, dict], dict]
     abstract_state: TrainState
     global_batch_shape: tuple[int, int]
+    notes: list[str] = dataclasses.field(default_factory=list)  # dimensions left unsharded on an axis, for the log
 
     def abstract_batch(self) -> dict:
         """Shapes, dtypes and shardings of one global batch, for lowering without data."""
@@ -116,7 +117,9 @@ def build(c: Config, mesh) -> Trainer:
     rng = jax.random.key(c.init_weights_seed)
     boxed = jax.eval_shape(model.init, rng, dummy_tokens)["params"]
     param_specs = nn.get_partition_spec(boxed)
-    param_shardings = mesh_lib.logical_to_sharding(param_specs, mesh, rules)
+    param_shapes = nn.meta.unbox(boxed)
+    param_shardings = mesh_lib.param_shardings(param_specs, param_shapes, mesh, rules)
+    notes = mesh_lib.uneven_notes(param_specs, param_shapes, rules, dict(mesh.shape))
     abstract = jax.eval_shape(init_state, rng)
     replicated = mesh_lib.replicated(mesh)
     # Optimizer moments are shaped like the params and sharded like them; counters are replicated.
@@ -149,7 +152,7 @@ def build(c: Config, mesh) -> Trainer:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_shardings)
     return Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
-                   train_step, eval_step, abstract, (c.global_batch_size, c.max_target_length))
+                   train_step, eval_step, abstract, (c.global_batch_size, c.max_target_length), notes)
 
 
 def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):

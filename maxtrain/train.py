@@ -194,6 +194,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
     say(f"maxtrain: {c.num_params:,} parameters{active} | mesh {c.mesh_shape} | global batch "
         f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | "
         f"{platform_defaults.summary(c)}")
+    for note in trainer.notes:
+        say(note)
     if c.dry_run:
         dry_run(c, trainer)
         return {}
