@@ -165,6 +165,7 @@ def make_run_dir(c: config_lib.Config) -> Path:
 def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
     mesh = mesh_lib.make_mesh(c, devices)
+    fit.check_activations(c, mesh)  # from the shapes alone: tracing or compiling a step far too large takes minutes
     trainer = step_lib.build(c, mesh)
     active = f" ({c.num_active_params:,} active)" if c.num_active_params != c.num_params else ""
     say(f"maxtrain: {c.num_params:,} parameters{active} | mesh {c.mesh_shape} | global batch "
