@@ -11,6 +11,8 @@ import sys
 if __name__ == "__main__":
     from maxtrain.hugepages import reexec_with_huge_pages
     reexec_with_huge_pages()
+    from maxtrain.distributed import supervise
+    supervise(sys.argv[1:])  # a multi-process run trains in a child: a lost peer is one line, not an abort
     import os as _os
     import signal as _signal
 
@@ -378,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if code:  # a failed run ends now: no waiting on threads (Orbax's, the compile) that may never finish
+        distributed.leave_on_error(code)  # peers that failed alike leave together, none aborted by another's exit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

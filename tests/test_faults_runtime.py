@@ -139,3 +139,68 @@ def test_the_floor_is_below_the_compiled_step(tiny_config, overrides):
     state = sum(summary.shard_bytes(x) for x in jax.tree.leaves(trainer.abstract_state))
     compiled = summary.memory_report(trainer.compile_train_step())["total"] * fit.GiB
     assert state + sum(fit.step_floor(c).values()) <= compiled
+
+
+# ---- a peer that dies or hangs: the survivor says which, and the last checkpoint, in one line ----------
+
+FSDP8_2P = ("ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2")
+HEARTBEAT = 10
+
+
+def start_job(out: Path, *args) -> list[subprocess.Popen]:
+    """Two processes x 4 CPU devices as scripts/launch_local.sh starts them, each one's pipes our own."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    return [subprocess.Popen([os.sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={out}", *args,
+                              f"coordinator_address=127.0.0.1:{port}", "num_processes=2", f"process_id={i}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+            for i in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, sig, went_away", [
+    (1, signal.SIGKILL, f"process 1 of 2 went away (no heartbeat for distributed_heartbeat_timeout_seconds={HEARTBEAT})"),
+    (1, signal.SIGSTOP, f"process 1 of 2 went away (no heartbeat for distributed_heartbeat_timeout_seconds={HEARTBEAT})"),
+    (0, signal.SIGKILL, "process 0 of 2 (the coordinator) went away"),
+], ids=["dead", "hung", "coordinator_dead"])
+def test_a_lost_peer_is_one_line_naming_it_and_the_last_checkpoint(tmp_path, victim, sig, went_away):
+    procs = start_job(tmp_path, *FSDP8_2P, *CKPT, "checkpoint_period=2", "steps=100000",
+                      f"distributed_heartbeat_timeout_seconds={HEARTBEAT}")
+    try:
+        for line in procs[0].stdout:
+            if "step      5 |" in line:
+                break
+        ckpts = tmp_path / "tiny" / "checkpoints"
+        deadline = time.time() + 60
+        while not any(p.name.isdigit() for p in ckpts.iterdir()) and time.time() < deadline:
+            time.sleep(0.2)
+        # The training process itself (the command's process supervises it), as an OOM kill or a hang hits it
+        trainer = subprocess.run(["pgrep", "-P", str(procs[victim].pid)], capture_output=True, text=True).stdout
+        os.kill(int(trainer.split()[0]), sig)
+        t0 = time.time()
+        survivor = procs[1 - victim]
+        _, err = survivor.communicate(timeout=HEARTBEAT + 60)
+        seconds = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)  # its child goes with it
+    line = one_line(err)
+    saved = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    assert survivor.returncode == 1 and line == (f"run error: {went_away}: this process stopped too; last checkpoint: "
+                                                 f"step {saved} in {ckpts}"), err[-3000:]
+    assert seconds < HEARTBEAT + 30, seconds
+
+
+@pytest.mark.slow
+def test_every_process_refusing_the_config_exits_2_with_its_line(tmp_path):
+    """Process 0 hosts the coordination service: when it left first, process 1 aborted natively (134)."""
+    for _ in range(3):
+        procs = start_job(tmp_path, "dataset_type=text", "vocab_size=384", f"train_files={REPO}/data/tinyshakespeare.txt",
+                          "num_epochs=1")
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 2 and one_line(err).startswith("config error: num_epochs: 1: with several"), err
