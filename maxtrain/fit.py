@@ -83,6 +83,9 @@ def check_activations(c, mesh) -> None:
     floor = step_floor(c)
     need = sum(floor.values())
     have, source = device_memory(mesh.devices.flat[0])
+    weights = c.num_params * (2 if c.weight_dtype == "bfloat16" else 4) / c.num_devices
+    if weights > have:
+        return  # the parameters alone cannot fit: check_state says so, with the state's exact size
     if need > have:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in floor.items())
         raise FitError(f"the train step needs at least {need / GiB:.2f} GiB per device for its activations ({parts}), "
