@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.config import Config
+from maxtrain.errors import RunError
 
 # Dense bf16 peak TFLOP/s per chip, matched by substring of jax's device_kind (most specific first).
 PEAK_TFLOPS = (
@@ -86,24 +89,78 @@ def _import_tensorboardx():
     return tensorboardX
 
 
+class MetricsError(RunError):
+    """Metrics that cannot be written (a full or read-only disk): the run stops with one line, exit code 1."""
+    kind = "metrics"
+
+
+def _os_error(e: OSError) -> str:
+    return f"{e.strerror} [errno {e.errno}]" if e.strerror else f"{type(e).__name__}: {e}"
+
+
+class _EventFile:
+    """A tensorboard event file written in the calling thread.
+
+    tensorboardX's SummaryWriter writes from a thread of its own: when a write fails (a full disk) that
+    thread dies with a traceback and the next writes block on its full queue, holding the run forever.
+    Here a failed write raises where the loop can report it. Records: length, its masked CRC, the
+    serialized Event, its masked CRC (TFRecord).
+    """
+
+    def __init__(self, logdir: Path, purge_step: int):
+        tbx = _import_tensorboardx()
+        from tensorboardX.proto import event_pb2
+        from tensorboardX.record_writer import masked_crc32c
+        self._pb, self._crc = event_pb2, masked_crc32c
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.path = logdir / f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}"
+        self._file = open(self.path, "ab")
+        self._summary = tbx.summary
+        self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        # tensorboard hides the events of steps >= purge_step that earlier files hold (a resumed run's repeats)
+        self._add(event_pb2.Event(wall_time=time.time(), step=purge_step,
+                                  session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        self.flush()
+
+    def _add(self, event) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("Q", len(data))
+        self._file.write(header + struct.pack("I", self._crc(header)) + data + struct.pack("I", self._crc(data)))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._add(self._pb.Event(wall_time=time.time(), step=step, summary=self._summary.scalar(tag, value)))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class MetricsWriter:
-    """One line to stdout per log, JSONL and tensorboardX under the run directory (process 0 only).
+    """One line to stdout per log, JSONL and tensorboard events under the run directory (process 0 only).
 
     `start_step`: the step the run starts from. What an earlier attempt logged after it (it ran past
     its last checkpoint before it was killed) is dropped, so a resumed run's logs hold each step once.
+    Every write happens in the caller's thread and a failed one is a MetricsError naming the file.
     """
 
     def __init__(self, run_dir: Path, enable_tensorboard: bool, start_step: int = 0):
         self.active = jax.process_index() == 0
         self._jsonl = self._tb = None
-        if self.active:
+        if not self.active:
+            return
+        path = self._at = run_dir / "metrics.jsonl"  # the file being written, for the error
+        try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            path = run_dir / "metrics.jsonl"
             _drop_steps_after(path, start_step)
             self._jsonl = open(path, "a")
-            if enable_tensorboard:  # tensorboard hides the events of steps >= purge_step from earlier files
-                self._tb = _import_tensorboardx().SummaryWriter(str(run_dir / "tensorboard"),
-                                                                purge_step=start_step + 1)
+            if enable_tensorboard:
+                self._at = run_dir / "tensorboard"
+                self._tb = _EventFile(run_dir / "tensorboard", purge_step=start_step + 1)
+        except OSError as e:
+            self._abandon()
+            raise MetricsError(f"cannot write {self._at}: {_os_error(e)}") from None
 
     def write(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
         if not self.active:
@@ -114,21 +171,43 @@ class MetricsWriter:
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
         row = {f"{prefix}/{k}": finite(v) if not isinstance(v, list) else [[finite(x) for x in layer] for layer in v]
                for k, v in scalars.items()}
-        self._jsonl.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
-        self._jsonl.flush()
-        if self._tb:
-            for k, v in scalars.items():
-                values = {k: v} if not isinstance(v, list) else {
-                    f"{k}/layer_{i}/expert_{e}": x for i, layer in enumerate(v) for e, x in enumerate(layer)}
-                for name, x in values.items():
-                    if math.isfinite(x):  # a gap in the curve; the nonfinite flag is plotted
-                        self._tb.add_scalar(f"{prefix}/{name}", x, step)
+        try:
+            self._at = self._jsonl.name
+            self._jsonl.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
+            self._jsonl.flush()
+            if self._tb:
+                self._at = self._tb.path
+                for k, v in scalars.items():
+                    values = {k: v} if not isinstance(v, list) else {
+                        f"{k}/layer_{i}/expert_{e}": x for i, layer in enumerate(v) for e, x in enumerate(layer)}
+                    for name, x in values.items():
+                        if math.isfinite(x):  # a gap in the curve; the nonfinite flag is plotted
+                            self._tb.add_scalar(f"{prefix}/{name}", x, step)
+                self._tb.flush()
+        except OSError as e:
+            self._abandon()
+            raise MetricsError(f"step {step}: writing {self._at} failed: {_os_error(e)}") from None
 
     def close(self) -> None:
-        if self._jsonl:
-            self._jsonl.close()
-        if self._tb:
-            self._tb.close()
+        try:
+            for f in (self._jsonl, self._tb):
+                if f:
+                    self._at = getattr(f, "path", None) or f.name
+                    f.close()
+        except OSError as e:
+            self._abandon()
+            raise MetricsError(f"writing {self._at} failed: {_os_error(e)}") from None
+        self._jsonl = self._tb = None
+
+    def _abandon(self) -> None:
+        """Closes the files after a failed write; the flush that closing tries again would fail as well."""
+        for f in (self._jsonl, self._tb):
+            try:
+                if f:
+                    f.close()
+            except OSError:
+                pass
+        self._jsonl = self._tb = None
 
 
 def _drop_steps_after(path: Path, step: int) -> None:

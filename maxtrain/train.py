@@ -11,6 +11,8 @@ import sys
 if __name__ == "__main__":
     from maxtrain.hugepages import reexec_with_huge_pages
     reexec_with_huge_pages()
+    from maxtrain.distributed import supervise
+    supervise(sys.argv[1:])  # a multi-process run trains in a child: a lost peer is one line, not an abort
     import os as _os
     import signal as _signal
 
@@ -189,6 +191,7 @@ def remove_if_unused(run_dir: Path) -> None:
 def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
     mesh = mesh_lib.make_mesh(c, devices)
+    fit.check_activations(c, mesh)  # from the shapes alone: tracing or compiling a step far too large takes minutes
     trainer = step_lib.build(c, mesh)
     active = f" ({c.num_active_params:,} active)" if c.num_active_params != c.num_params else ""
     say(f"maxtrain: {c.num_params:,} parameters{active} | mesh {c.mesh_shape} | global batch "
@@ -408,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if code:  # a failed run ends now: no waiting on threads (Orbax's, the compile) that may never finish
+        distributed.leave_on_error(code)  # peers that failed alike leave together, none aborted by another's exit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
