@@ -124,7 +124,7 @@ def _run_child(c: Config) -> int:
         sys.stderr.buffer.write(b"".join(mine if code and mine else held))
         sys.stderr.flush()
         return code
-    print(f"run error: {_who_went_away(c, text, code)}; last checkpoint: {_last_checkpoint(c)}",
+    print(f"run error: {_who_went_away(c, text, code)}; {_last_checkpoint(c)}",
           file=sys.stderr, flush=True)
     return 1
 
@@ -145,13 +145,17 @@ def _who_went_away(c: Config, text: str, code: int) -> str:
 
 def _last_checkpoint(c: Config) -> str:
     if not c.enable_checkpointing:
-        return "none (enable_checkpointing=false)"
+        return "checkpointing is off"
     directory = Path(c.base_output_directory).absolute() / c.run_name / "checkpoints"
     try:
         steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
     except OSError:
         steps = []
-    return f"step {max(steps)} in {directory}" if steps else "none"
+    from maxtrain.trust import Trust
+    trusted = Trust(directory, 0.0).newest_trusted(steps)
+    if trusted is not None:
+        return f"last trusted checkpoint: step {trusted} in {directory}"
+    return f"last checkpoint: step {max(steps)} in {directory} (not yet verified)" if steps else "no checkpoint"
 
 
 def leave_on_error(code: int) -> None:

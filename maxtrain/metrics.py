@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import struct
 import sys
 import time
 from pathlib import Path
@@ -99,23 +98,21 @@ def _os_error(e: OSError) -> str:
 
 
 class _EventFile:
-    """A tensorboard event file written in the calling thread.
+    """A tensorboard event file written in the calling thread, through tensorboardX's own record writer.
 
     tensorboardX's SummaryWriter writes from a thread of its own: when a write fails (a full disk) that
     thread dies with a traceback and the next writes block on its full queue, holding the run forever.
-    Here a failed write raises where the loop can report it. Records: length, its masked CRC, the
-    serialized Event, its masked CRC (TFRecord).
+    Here a failed write raises where the loop can report it.
     """
 
     def __init__(self, logdir: Path, purge_step: int):
         tbx = _import_tensorboardx()
         from tensorboardX.proto import event_pb2
-        from tensorboardX.record_writer import masked_crc32c
-        self._pb, self._crc = event_pb2, masked_crc32c
+        from tensorboardX.record_writer import RecordWriter
+        self._pb, self._summary = event_pb2, tbx.summary
         logdir.mkdir(parents=True, exist_ok=True)
         self.path = logdir / f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}"
-        self._file = open(self.path, "ab")
-        self._summary = tbx.summary
+        self._records = RecordWriter(str(self.path))
         self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         # tensorboard hides the events of steps >= purge_step that earlier files hold (a resumed run's repeats)
         self._add(event_pb2.Event(wall_time=time.time(), step=purge_step,
@@ -123,18 +120,16 @@ class _EventFile:
         self.flush()
 
     def _add(self, event) -> None:
-        data = event.SerializeToString()
-        header = struct.pack("Q", len(data))
-        self._file.write(header + struct.pack("I", self._crc(header)) + data + struct.pack("I", self._crc(data)))
+        self._records.write(event.SerializeToString())
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self._add(self._pb.Event(wall_time=time.time(), step=step, summary=self._summary.scalar(tag, value)))
 
     def flush(self) -> None:
-        self._file.flush()
+        self._records.flush()
 
     def close(self) -> None:
-        self._file.close()
+        self._records.close()
 
 
 class MetricsWriter:
