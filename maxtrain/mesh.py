@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxtrain.config import MESH_AXES, Config, ConfigError
+from maxtrain.config import INT_MAX, MESH_AXES, Config, ConfigError
 
 
 def num_slices(devices=None) -> int:
@@ -144,6 +144,7 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
             raise ConfigError(key, f"{c[key]} is not divisible by the tensor axis ({tensor})")
     if c["num_experts"] > 1:
         _check_expert_sharding(c, shape)
+    _check_weight_sharding(c, shape)
     pieces = shape["context"] * (2 if c["context_parallel_load_balance"] else 1)
     if shape["context"] > 1 and c["max_target_length"] % pieces:
         why = " x 2 (context_parallel_load_balance)" if pieces > shape["context"] else ""
@@ -155,6 +156,14 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
         raise ConfigError("per_device_batch_size",
                           f"{c['per_device_batch_size']} x {num_devices} devices is not a whole batch")
     global_batch = int(global_batch)
+    # the MoE router counts a step's assignments, global batch x length x top-k, as an int32
+    tokens = global_batch * c["max_target_length"]
+    top_k = c["num_experts_per_tok"] if c["num_experts"] > 1 else 1
+    if tokens * top_k > INT_MAX:
+        what = (f" x num_experts_per_tok {top_k} = {tokens * top_k} expert assignments" if top_k > 1
+                else f" = {tokens} tokens")
+        raise ConfigError("per_device_batch_size", f"{c['per_device_batch_size']} x {num_devices} devices x "
+                          f"max_target_length {c['max_target_length']}{what} per step, out of range: at most {INT_MAX}")
     batch_shards = math.prod(shape[a] for a in mesh_axes_for(c["logical_axis_rules"], "batch"))
     accum = c["gradient_accumulation_steps"]
     if global_batch % (batch_shards * accum):
@@ -189,6 +198,26 @@ def _check_expert_sharding(c: dict[str, Any], shape: dict[str, int]) -> None:
     if math.prod(shape[a] for a in experts) > 1 and not set(experts) <= set(mesh_axes_for(rules, "batch")):
         raise ConfigError("logical_axis_rules", "the mesh axes of `experts` must also split `batch` (tokens "
                           "travel to their experts' devices)")
+
+
+def _check_weight_sharding(c: dict[str, Any], shape: dict[str, int]) -> None:
+    """jax splits an array evenly or not at all: each weight's dimensions must divide by the mesh axes
+    that split them (the experts' own weights: _check_expert_sharding)."""
+    embed = ("base_emb_dim", c["base_emb_dim"], "embed")
+    head_dim = ("head_dim", c["head_dim"], "head_dim")
+    weights = [(("vocab_size", c["vocab_size"], "vocab"), embed),
+               (embed, ("base_num_query_heads", c["base_num_query_heads"], "heads"), head_dim),
+               (embed, ("base_num_kv_heads", c["base_num_kv_heads"], "kv_heads"), head_dim)]
+    if c["num_experts"] == 1 or c["first_num_dense_layers"]:
+        weights.append((embed, ("base_mlp_dim", c["base_mlp_dim"], "mlp")))
+    if c["num_experts"] > 1 and c["shared_experts"]:  # one MLP of the shared experts' joint width
+        weights.append((embed, ("shared_experts", c["shared_experts"] * c["moe_mlp_dim"], "mlp")))
+    for dims in weights:
+        for (key, size, _), axes in zip(dims, spec_for(c["logical_axis_rules"], tuple(n for _, _, n in dims))):
+            shards = math.prod(shape[a] for a in axes)
+            if size % shards:
+                raise ConfigError(key, f"{size} is not divisible by the {' x '.join(axes)} "
+                                  f"{'axis' if len(axes) == 1 else 'axes'} ({shards}) that split it")
 
 
 def spec_for(rules: list, names: tuple[str, ...]) -> list[list[str]]:

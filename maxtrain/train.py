@@ -164,6 +164,8 @@ def make_run_dir(c: config_lib.Config) -> Path:
 
 def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
+    for warning in config_lib.no_effect_warnings(c):
+        say(f"warning: {warning}")
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
     active = f" ({c.num_active_params:,} active)" if c.num_active_params != c.num_params else ""
