@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from maxtrain import quantization
+from maxtrain import quantization, yaml_file
 from maxtrain.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -58,6 +58,19 @@ POSITIVE_INTS = (
     "num_experts", "num_experts_per_tok",
 )
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
+FLOAT32_MAX = 3.4028234663852886e38  # float keys reach jax as float32: larger is inf there
+# Upper bounds (inclusive) of keys whose products reach jax as int32 or that unroll Python loops when
+# traced, far above any real model's values (the presets' largest: 256 experts); beside each, what the
+# allowed range means.
+UPPER_BOUNDS: dict[str, tuple[int, str]] = {
+    "per_device_batch_size": (INT_MAX, "sequences; the global batch reaches jax as int32"),
+    # blockwise attention unrolls a block per 256 positions when traced
+    "max_target_length": (2**21, "positions"),
+    # the blocked grouped matmul pads each expert's rows to blocks of up to 512: rows reach jax as int32
+    "num_experts": (2**16, "experts"),
+    # capacity = factor x length x top-k / experts: below 2**31 with the length's bound
+    "capacity_factor": (1000, "<= 0 is dropless; above num_experts / num_experts_per_tok nothing is dropped"),
+}
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -118,7 +131,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise ConfigError("config", f"{path} is not a YAML text file") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml_file.safe_load(text)
+    except yaml_file.DuplicateKey as e:
+        raise ConfigError(str(e.key), f"set twice in {path} (lines {e.lines[0]} and {e.lines[1]})") from None
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""
@@ -171,7 +186,7 @@ def _parse_override(arg: str, defaults: Mapping[str, Any]) -> tuple[str, Any]:
     if isinstance(default, str):
         return key, text
     try:  # lists: YAML flow syntax, e.g. logical_axis_rules='[["batch","data"]]'
-        return key, yaml.safe_load(text)
+        return key, yaml_file.safe_load(text)
     except yaml.YAMLError:
         raise ConfigError(key, f"expected a YAML list, got {text!r}") from None
 
@@ -199,9 +214,14 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
             except ValueError:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        try:
+            value = float(value) if ok else value
+        except OverflowError:  # an int beyond any float
+            raise ConfigError(key, f"must be a finite number, got {value}") from None
         if ok and not math.isfinite(value):
             raise ConfigError(key, f"must be a finite number, got {value}")
+        if ok and abs(value) > FLOAT32_MAX and key not in UPPER_BOUNDS:  # those name their own range
+            raise ConfigError(key, f"{value!r} is out of range (at most {FLOAT32_MAX:.4g} in magnitude: float32)")
     else:
         ok = isinstance(value, kind)
     if not ok:
@@ -245,10 +265,10 @@ def load(argv: Sequence[str]) -> Config:
 
 
 def _read_preset(name: str) -> dict[str, Any]:
-    path = CONFIG_DIR / "models" / f"{name}.yml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.yml"))
+    known = sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.yml"))
+    if name not in known:  # a name, never a path: `../base` would read base.yml as a preset
         raise ConfigError("model_name", f"no preset {name!r}; known: default, {', '.join(known)}")
+    path = CONFIG_DIR / "models" / f"{name}.yml"
     preset = _read_yaml(path)
     for key in preset:
         if key not in PRESET_KEYS:
@@ -273,6 +293,13 @@ def _validate(c: dict[str, Any]) -> None:
             raise ConfigError(key, f"must be a positive integer, got {c[key]}")
     if c["per_device_batch_size"] <= 0:
         raise ConfigError("per_device_batch_size", "must be > 0")
+    for key, (most, meaning) in UPPER_BOUNDS.items():
+        if c[key] > most:
+            raise ConfigError(key, f"{c[key]!r} is out of range: at most {most} ({meaning})")
+    if c["head_dim"] % 2:
+        raise ConfigError("head_dim", f"{c['head_dim']} must be even (RoPE rotates pairs of dimensions)")
+    if c["data_shuffle_seed"] < 0:
+        raise ConfigError("data_shuffle_seed", f"must be >= 0, got {c['data_shuffle_seed']}")
     if c["base_num_query_heads"] % c["base_num_kv_heads"]:
         raise ConfigError("base_num_kv_heads", f"{c['base_num_kv_heads']} must divide "
                           f"base_num_query_heads={c['base_num_query_heads']}")
@@ -382,6 +409,25 @@ def _validate_rules(rules: Any) -> None:
         axes = [] if target is None else [target] if isinstance(target, str) else target
         if not isinstance(axes, list) or any(a not in MESH_AXES for a in axes):
             raise ConfigError(key, f"rule {rule!r}: mesh axes must be among {', '.join(MESH_AXES)}")
+
+
+def no_effect_warnings(c: Mapping[str, Any]) -> list[str]:
+    """Settings that cannot take effect in this run, each as `<key>: ...`: not errors (a shared config may
+    carry them), but a user who set them expects something that will not happen."""
+    warnings = []
+    if c["eval_interval"] > 0:  # data.make_iterators makes eval batches only from eval_files or a split
+        if c["dataset_type"] == "synthetic":
+            warnings.append(f"eval_interval: {c['eval_interval']} has no effect: dataset_type=synthetic has no "
+                            "eval data")
+        elif not c["eval_files"] and c["eval_split_fraction"] == 0:
+            warnings.append(f"eval_interval: {c['eval_interval']} has no effect: no eval data (set eval_files or "
+                            "eval_split_fraction)")
+    if c["profiler"] and c["profiler_start_step"] > c["steps"]:
+        warnings.append(f"profiler_start_step: {c['profiler_start_step']} is after the last step (steps="
+                        f"{c['steps']}): profiler={c['profiler']} traces nothing")
+    if c["capacity_factor"] > 0 and c["num_experts"] == 1:
+        warnings.append(f"capacity_factor: {c['capacity_factor']} has no effect: num_experts=1 (a dense model)")
+    return warnings
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxtrain.config import MESH_AXES, Config, ConfigError
+from maxtrain.config import INT_MAX, MESH_AXES, Config, ConfigError
 
 
 def num_slices(devices=None) -> int:
@@ -168,6 +168,14 @@ def with_devices(config: Config, num_devices: int, num_slices: int = 1, platform
         raise ConfigError("per_device_batch_size",
                           f"{c['per_device_batch_size']} x {num_devices} devices is not a whole batch")
     global_batch = int(global_batch)
+    # the MoE router counts a step's assignments, global batch x length x top-k, as an int32
+    tokens = global_batch * c["max_target_length"]
+    top_k = c["num_experts_per_tok"] if c["num_experts"] > 1 else 1
+    if tokens * top_k > INT_MAX:
+        what = (f" x num_experts_per_tok {top_k} = {tokens * top_k} expert assignments" if top_k > 1
+                else f" = {tokens} tokens")
+        raise ConfigError("per_device_batch_size", f"{c['per_device_batch_size']} x {num_devices} devices x "
+                          f"max_target_length {c['max_target_length']}{what} per step, out of range: at most {INT_MAX}")
     batch_shards = math.prod(shape[a] for a in mesh_axes_for(c["logical_axis_rules"], "batch"))
     accum = c["gradient_accumulation_steps"]
     if global_batch % (batch_shards * accum):

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from maxtrain import quantization
+from maxtrain.config import ConfigError
 from maxtrain.mesh import mesh_axes_for
 from maxtrain.model import padded_vocab
 
@@ -17,8 +18,12 @@ def resolve(c: dict[str, Any], platform: str) -> None:
     if c["attention"] == "auto":
         quantized = "attention" in quantization.targets(c)
         c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
-    if c["moe_grouped_matmul"] == "auto":  # see moe.grouped_matmul for why each
-        c["moe_grouped_matmul"] = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")
+    auto_matmul = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")  # see moe.grouped_matmul
+    if c["moe_grouped_matmul"] == "auto":
+        c["moe_grouped_matmul"] = auto_matmul
+    elif c["moe_grouped_matmul"] == "megablox" and platform != "tpu" and c["num_experts"] > 1:
+        raise ConfigError("moe_grouped_matmul", f"megablox is a TPU kernel (Pallas Mosaic); on {platform} use "
+                          f"blocked or ragged_dot (auto = {auto_matmul})")
     if c["scan_unroll"] == -1:
         c["scan_unroll"] = scan_unroll_for(platform, c["remat_policy"], c["base_num_decoder_layers"])
     auto_chunks(c)

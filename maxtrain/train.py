@@ -190,6 +190,8 @@ def remove_if_unused(run_dir: Path) -> None:
 
 def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
+    for warning in config_lib.no_effect_warnings(c):
+        say(f"warning: {warning}")
     mesh = mesh_lib.make_mesh(c, devices)
     fit.check_activations(c, mesh)  # from the shapes alone: tracing or compiling a step far too large takes minutes
     trainer = step_lib.build(c, mesh)
