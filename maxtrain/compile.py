@@ -22,7 +22,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 from maxtrain import config as config_lib, errors, mesh as mesh_lib, metrics, platform_defaults  # noqa: E402
-from maxtrain import step as step_lib, summary  # noqa: E402
+from maxtrain import fit, step as step_lib, summary  # noqa: E402
 
 # HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
 CHIPS = {"v4": (32.0, 2, 3), "v5p": (95.0, 2, 3), "v5e": (16.0, 1, 2), "v6e": (32.0, 1, 2)}
@@ -89,9 +89,16 @@ def compile_for(c_static: config_lib.Config) -> int:
     desc = topology_desc(c_static.compile_topology, spec, c_static.compile_topology_num_slices)
     devices = desc.devices
     c = mesh_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices), "tpu")
-    trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     hbm = hbm_per_chip * chips * c.compile_topology_num_slices / len(devices)  # per device
     advice = "try a larger ici_fsdp_parallelism, remat_policy=full, or a smaller per_device_batch_size"
+    floor = fit.step_floor(c)  # from the config alone: a step far too large is refused before it is traced
+    if sum(floor.values()) > hbm * fit.GiB:
+        parts = ", ".join(f"{k} {v / fit.GiB:.2f}" for k, v in floor.items())
+        print(f"does not fit: the train step needs at least {sum(floor.values()) / fit.GiB:.2f} GiB per device for "
+              f"its activations ({parts}), more than {hbm:.1f} GiB HBM; {advice}", file=sys.stderr)
+        return 1
+    print(f"compiling the train step for {c.compile_topology} ({len(devices)} devices)...", flush=True)
+    trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     try:
         with mesh_lib.activate(trainer.mesh, trainer.rules):
             compiled = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()

@@ -73,7 +73,7 @@ def initialize(c: Config) -> None:
 # that went away (from the service's own message) and the last checkpoint, exit code 1.
 
 _CHILD_ENV = "MAXTRAIN_SUPERVISED"
-_ABSL_LINE = re.compile(rb"^[EF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # native ERROR or FATAL
+_ABSL_LINE = re.compile(rb"^[EFW]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # native WARNING, ERROR or FATAL
 _ONE_LINE = re.compile(rb"^[a-z]+ error: ")  # errors.exit_code's
 _UNHEALTHY = re.compile(r"stopped sending heartbeats\):\n((?:\d+\n)+)")
 _TIMED_OUT = re.compile(r"Task (\d+) heartbeat timeout")

@@ -3,6 +3,7 @@
 import os
 import shlex
 import subprocess
+import time
 import sys
 
 import pytest
@@ -130,6 +131,16 @@ def test_compile_reports_a_model_that_does_not_fit():
                        "ici_data_parallelism=4")
     assert proc.returncode == 1
     assert "does not fit" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_compile_refuses_a_far_too_large_step_before_tracing_it():
+    t0 = time.perf_counter()
+    proc = run_compile("compile_topology=v5e-4", "per_device_batch_size=4000", "max_target_length=100000")
+    assert proc.returncode == 1 and time.perf_counter() - t0 < 60, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]  # after libtpu's own start-up lines
+    assert last.startswith("does not fit: the train step needs at least ") and \
+        "GiB per device for its activations (batch " in last and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_compile_bad_topology_is_a_config_error():
