@@ -115,4 +115,5 @@ class Trust:
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.path)  # a kill leaves the old verdicts or the new ones, never half a file
         except OSError as e:
+            tmp.unlink(missing_ok=True)
             raise RunError(f"cannot write {self.path}: {e.strerror} [errno {e.errno}]") from None
