@@ -115,5 +115,8 @@ class Trust:
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.path)  # a kill leaves the old verdicts or the new ones, never half a file
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             raise RunError(f"cannot write {self.path}: {e.strerror} [errno {e.errno}]") from None
