@@ -287,17 +287,18 @@ class Checkpointer:
 
     def _set_aside(self, untrusted: list[int], unusable: list[tuple[int, str]], then: str) -> None:
         """Moves rejected and damaged newer steps out of the run (never deleted), one line for each kind."""
+        say = print if jax.process_index() == 0 else (lambda *a, **k: None)
         if untrusted:
             reason = self.trust.rejected[untrusted[-1]]
             moved = [self._move_aside(s, "untrusted").name for s in untrusted]
             many = len(untrusted) > 1
-            print(f"warning: checkpoint{'s' * many} {', '.join(map(str, sorted(untrusted)))} in {self.directory} "
-                  f"{'are' if many else 'is'} not trusted (step {untrusted[-1]}: {reason}); {then} (kept aside as "
-                  f"{', '.join(sorted(moved))})", flush=True)
+            say(f"warning: checkpoint{'s' * many} {', '.join(map(str, sorted(untrusted)))} in {self.directory} "
+                f"{'are' if many else 'is'} not trusted (step {untrusted[-1]}: {reason}); {then} (kept aside as "
+                f"{', '.join(sorted(moved))})", flush=True)
         for bad, why in unusable:
             moved = self._move_aside(bad)
-            print(f"warning: checkpoint {self.directory / str(bad)} is unusable ({why}); {then} "
-                  f"(moved to {moved.name})", flush=True)
+            say(f"warning: checkpoint {self.directory / str(bad)} is unusable ({why}); {then} "
+                f"(moved to {moved.name})", flush=True)
 
     def _restore_step(self, step: int, abstract_state):
         where = str(self.directory / str(step))

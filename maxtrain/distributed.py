@@ -7,12 +7,16 @@ command's process supervises the training process (see supervise) so that a lost
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -78,6 +82,7 @@ _ONE_LINE = re.compile(rb"^[a-z]+ error: ")  # errors.exit_code's
 _UNHEALTHY = re.compile(r"stopped sending heartbeats\):\n((?:\d+\n)+)")
 _TIMED_OUT = re.compile(r"Task (\d+) heartbeat timeout")
 _LEADER = "the leader task was preempted/died/restarted"
+WARNING_DELAY_S = 5.0
 
 
 def supervise(argv: list[str]) -> None:
@@ -105,18 +110,43 @@ def _die_with_parent() -> None:
 
 
 def _run_child(c: Config) -> int:
-    child = subprocess.Popen(sys.orig_argv, env={**os.environ, _CHILD_ENV: "1"}, stderr=subprocess.PIPE,
-                             start_new_session=True, preexec_fn=_die_with_parent)
+    child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env={**os.environ, _CHILD_ENV: "1"},
+                             stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
     # Signals reach the child through here only (it has a session of its own): once each.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    held: list[bytes] = []  # from the first native error or traceback on: shown if the child ends normally
-    for line in iter(child.stderr.readline, b""):
-        if held or _ABSL_LINE.match(line) or line.startswith(b"Traceback (most recent call last)"):
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in iter(child.stderr.readline, b"")] + [lines.put(None)],
+                     daemon=True).start()
+    # From the first native error or traceback on, everything is held (shown if the child ends normally). A
+    # native warning waits a few seconds first: a peer's death often starts with one, then the abort follows.
+    held: collections.deque[bytes] = collections.deque(maxlen=2000)
+    waiting: list[tuple[float, bytes]] = []
+    while True:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            line = b""
+        if line is None:
+            break
+        if line and held:
             held.append(line)
-        else:
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
+            continue
+        if line:
+            native = _ABSL_LINE.match(line) or line.startswith(b"Traceback (most recent call last)")
+            if native and line[:1] != b"W":
+                held.extend(x for _, x in waiting)
+                held.append(line)
+                waiting.clear()
+                continue
+            if native or waiting:  # a warning, or anything after one: wait and see
+                waiting.append((time.monotonic(), line))
+                line = b""
+        while waiting and time.monotonic() - waiting[0][0] > WARNING_DELAY_S:
+            sys.stderr.buffer.write(waiting.pop(0)[1])
+        sys.stderr.buffer.write(line)
+        sys.stderr.flush()
+    held.extend(x for _, x in waiting)
     code = child.wait()
     text = b"".join(held).decode(errors="replace")
     if code in (0, 1, 2) and "Terminating process because" not in text:
@@ -124,8 +154,10 @@ def _run_child(c: Config) -> int:
         sys.stderr.buffer.write(b"".join(mine if code and mine else held))
         sys.stderr.flush()
         return code
-    print(f"run error: {_who_went_away(c, text, code)}; {_last_checkpoint(c)}",
-          file=sys.stderr, flush=True)
+    went_away = _who_went_away(c, text, code)
+    if "ended abnormally" in went_away:  # no peer to blame: its own last words matter
+        sys.stderr.buffer.write(b"".join(list(held)[-50:]))
+    print(f"run error: {went_away}; {_last_checkpoint(c)}", file=sys.stderr, flush=True)
     return 1
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import sys
 import time
@@ -111,7 +112,11 @@ class _EventFile:
         from tensorboardX.record_writer import RecordWriter
         self._pb, self._summary = event_pb2, tbx.summary
         logdir.mkdir(parents=True, exist_ok=True)
-        self.path = logdir / f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}"
+        stem, n = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}", 0
+        self.path = logdir / stem
+        while self.path.exists():  # a writer made again within the second (a rollback) must not truncate it
+            n += 1
+            self.path = logdir / f"{stem}.{n}"
         self._records = RecordWriter(str(self.path))
         self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         # tensorboard hides the events of steps >= purge_step that earlier files hold (a resumed run's repeats)
@@ -126,9 +131,11 @@ class _EventFile:
         self._add(self._pb.Event(wall_time=time.time(), step=step, summary=self._summary.scalar(tag, value)))
 
     def flush(self) -> None:
-        self._records.flush()
+        self._records._writer.flush()  # no fsync per log line (RecordWriter.flush's): close() syncs
+
 
     def close(self) -> None:
+        self._records.flush()
         self._records.close()
 
 

@@ -322,7 +322,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
                 restored = initial_state(c, trainer, None, batches)
             good = int(restored.step)
             batches.skip(bad_step - good)
-            del history[good - first_step:]
+            del history[max(good - first_step, 0):]  # a rollback can reach before this run's start
             writer.close()
             writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=good)
             say(f"rollback: step {bad_step} was not finite ({guard.count} of max_nonfinite_steps="

@@ -214,3 +214,19 @@ def test_every_process_refusing_the_config_exits_2_with_its_line(tmp_path):
         for p in procs:
             _, err = p.communicate(timeout=120)
             assert p.returncode == 2 and one_line(err).startswith("config error: num_epochs: 1: with several"), err
+
+
+def test_a_writer_made_again_within_the_second_keeps_the_first_events(tmp_path):
+    # A rollback makes a new writer; in the same second it must not truncate the first one's event file.
+    from maxtrain import metrics
+    first = metrics.MetricsWriter(tmp_path, True, start_step=0)
+    for step in range(1, 6):
+        first.write(step, {"loss": 1.0 / step})
+    first.close()
+    events = sorted((tmp_path / "tensorboard").iterdir())
+    size = events[0].stat().st_size
+    again = metrics.MetricsWriter(tmp_path, True, start_step=2)
+    again.write(3, {"loss": 0.5})
+    again.close()
+    after = sorted((tmp_path / "tensorboard").iterdir())
+    assert len(after) == 2 and after[0] == events[0] and after[0].stat().st_size == size
