@@ -22,6 +22,7 @@ else load_parameters_path (fresh optimizer); else fresh init.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -132,8 +133,8 @@ def os_error_text(e: BaseException) -> str:
     """'No space left on device [errno 28]' from an OSError or from tensorstore's error text."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror} [errno {e.errno}]"
-    m = re.search(r"([^:\"]+?) \[os_error_code='?(\d+)", str(e))
-    return f"{m.group(1).strip()} [errno {m.group(2)}]" if m else f"{type(e).__name__}: {first_line(e)}"
+    m = re.search(r"\[os_error_code='?(\d+)", str(e))  # the text before it varies with what failed
+    return f"{os.strerror(int(m.group(1)))} [errno {m.group(1)}]" if m else f"{type(e).__name__}: {first_line(e)}"
 
 
 def _all_processes(ok: bool) -> bool:

@@ -541,3 +541,13 @@ def test_two_processes_roll_back_and_fall_back_together(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {tmp_path}/ok/checkpoints/2" in proc.stdout and "done: 6 steps" in proc.stdout
     assert (tmp_path / "ok" / "checkpoints" / "4.unusable").is_dir()
+
+
+@pytest.mark.parametrize("text", [
+    "Error writing local file \"/d/x\": [os_error_code=28] No space left on device",
+    "INTERNAL: ... {\"driver\":\"file\",\"sync\": true}'] [os_error_code=28] [source locations='tensorstore/x.cc']",
+])
+def test_tensorstore_errors_name_the_os_error_whatever_precedes_it(text):
+    # The text before os_error_code depends on which write failed; the line must still say what happened.
+    from maxtrain.checkpoint import os_error_text
+    assert os_error_text(ValueError(text)) == "No space left on device [errno 28]"
