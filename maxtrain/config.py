@@ -58,6 +58,16 @@ POSITIVE_INTS = (
     "num_experts", "num_experts_per_tok",
 )
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
+
+# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
+# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
+# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
+# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 FLOAT32_MAX = 3.4028234663852886e38  # float keys reach jax as float32: larger is inf there
 # Upper bounds (inclusive) of keys whose products reach jax as int32 or that unroll Python loops when
 # traced, far above any real model's values (the presets' largest: 256 experts); beside each, what the

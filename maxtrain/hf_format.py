@@ -103,8 +103,8 @@ def tensor_table(m: dict[str, Any], fused_experts: bool = False) -> tuple[list[T
 
 
 def _vocab_padding(v: int):
-    """[V, D] -> maxtrain's [padded V, D] (zero rows: model.padded_vocab) and back to HF's true V."""
-    from maxtrain.model import padded_vocab
+    """[V, D] -> maxtrain's [padded V, D] (zero rows: config.padded_vocab) and back to HF's true V."""
+    from maxtrain.config import padded_vocab
     pad = padded_vocab(v) - v
     if not pad:
         return (lambda x: x), (lambda w: w)

@@ -18,19 +18,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from maxtrain import attention, mesh as mesh_lib, moe, quantization, remat
+from maxtrain.config import padded_vocab
 
 constrain = mesh_lib.constrain
-
-# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
-# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
-# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
-# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
-VOCAB_MULTIPLE = 128
-
-
-def padded_vocab(vocab: int) -> int:
-    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:

@@ -8,9 +8,8 @@ import math
 from typing import Any
 
 from maxtrain import quantization
-from maxtrain.config import ConfigError
+from maxtrain.config import ConfigError, padded_vocab
 from maxtrain.mesh import mesh_axes_for
-from maxtrain.model import padded_vocab
 
 
 def resolve(c: dict[str, Any], platform: str) -> None:

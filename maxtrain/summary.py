@@ -37,7 +37,7 @@ def param_table(trainer: Trainer, active: int | None = None) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    a = trainer.model.args  # the vocabulary's padding (model.VOCAB_MULTIPLE) is storage, not parameters
+    a = trainer.model.args  # the vocabulary's padding (config.VOCAB_MULTIPLE) is storage, not parameters
     padding = (a.padded_vocab - a.vocab) * a.embed * (1 if a.tied_embeddings else 2)
     total -= padding
     padded = f", plus {padding:,} entries of vocabulary padding" if padding else ""

@@ -24,16 +24,14 @@ if __name__ == "__main__":
 import concurrent.futures
 import math
 import os
-import shutil
 import signal
 import time
-from pathlib import Path
 
 import jax
 
 from maxtrain import config as config_lib, errors
 from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, platform_defaults
-from maxtrain import profiler as profiler_lib
+from maxtrain import profiler as profiler_lib, run_dir as run_dir_lib
 from maxtrain import step as step_lib, summary
 
 
@@ -154,40 +152,6 @@ class NonFiniteGuard:
         return self.policy
 
 
-def make_run_dir(c: config_lib.Config) -> tuple[Path, bool]:
-    """The run's directory, and whether this start created it."""
-    run_dir = Path(c.base_output_directory) / c.run_name
-    created = not run_dir.exists()
-    if jax.process_index() == 0:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise config_lib.ConfigError("base_output_directory", f"cannot write {run_dir}: {e.strerror}") from None
-    return run_dir, created
-
-
-def write_run_config(c: config_lib.Config, run_dir: Path) -> None:
-    """Only once the state is initialized or restored: a refused resume leaves the run's config as it was."""
-    if jax.process_index() == 0:
-        try:
-            (run_dir / "config.yml").write_text(c.to_yaml())
-        except OSError as e:
-            raise config_lib.ConfigError("base_output_directory", f"cannot write {run_dir}: {e.strerror}") from None
-
-
-def remove_if_unused(run_dir: Path) -> None:
-    """A start that fails before its first step leaves nothing behind: the directory it created goes,
-    unless a step was written to it (metrics or a checkpoint)."""
-    if jax.process_index() != 0 or not run_dir.is_dir():
-        return
-    metrics = run_dir / "metrics.jsonl"
-    checkpoints = run_dir / "checkpoints"
-    if (metrics.exists() and metrics.stat().st_size) or (checkpoints.is_dir() and any(
-            p.name.isdigit() for p in checkpoints.iterdir())):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
     for warning in config_lib.no_effect_warnings(c):
@@ -207,7 +171,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     fit.check_state(trainer)  # before init allocates it
     # Read data files and tokenizer before writing anything: bad input fails cleanly.
     batches, make_eval_iterator = data.make_iterators(c, trainer.batch_sharding)
-    run_dir, created = make_run_dir(c)
+    run_dir, created = run_dir_lib.make(c)
     # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored.
     t_compile, compiler = time.perf_counter(), concurrent.futures.ThreadPoolExecutor(1)
     compiling = compiler.submit(trainer.compile_train_step)
@@ -228,7 +192,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
             except errors.RunError:
                 pass
         if created:
-            remove_if_unused(run_dir)
+            run_dir_lib.remove_if_unused(run_dir)
         raise
 
 
@@ -240,7 +204,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
     start_data = batches.get_state()  # where a rollback with no checkpoint restarts the data
     with mesh_lib.activate(mesh, trainer.rules):
         state = initial_state(c, trainer, checkpointer, batches)
-        write_run_config(c, run_dir)
+        run_dir_lib.write_config(c, run_dir)
         writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=int(state.step))
         train_step = compiling.result()
         fit.check_compiled(train_step, mesh)  # before the first batch is made

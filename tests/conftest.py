@@ -6,6 +6,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib  # noqa: E402
+import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -14,6 +16,19 @@ import pytest  # noqa: E402
 TESTS = Path(__file__).parent
 TINY = str(TESTS / "configs" / "tiny.yml")
 SHAKESPEARE = TESTS.parent / "data" / "tinyshakespeare.txt"
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A tmpfs mounted at `path` for the block (a full or read-only disk); skips where this machine does not
+    let the tests mount one (needs root or CAP_SYS_ADMIN)."""
+    path.mkdir(exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from maxtrain import data, train
-from conftest import TINY, TESTS
+from conftest import TINY, TESTS, tmpfs
 
 CKPT = ("enable_checkpointing=true",)
 
@@ -452,12 +452,8 @@ def test_trust_verdicts_spikes_and_their_file(tmp_path, capsys):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 3 MiB tmpfs (about two tiny checkpoints), where this machine lets the tests mount one."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    with tmpfs(tmp_path / "disk", "size=3m") as mount:
+        yield mount
 
 
 def steps_on(ckpts: Path) -> list[int]:

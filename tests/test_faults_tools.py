@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from maxtrain import checkpoint as ckpt_lib, compile as compile_lib, convert, fit, generate, train
-from conftest import TESTS, TINY
+from conftest import TESTS, TINY, tmpfs
 from test_faults import main_in_process, one_line
 
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -59,10 +59,11 @@ def flip_one_bit_in_a_parameter(step: Path, array: str = "params.embedding") -> 
         blob[i] ^= 0x10
         data.write_bytes(bytes(blob))
         try:
-            if not np.array_equal(read(), before):
-                return
+            decoded_differently = not np.array_equal(read(), before)
         except ValueError:  # this flip breaks the compressed stream: try the next byte
-            pass
+            decoded_differently = False
+        if decoded_differently:
+            return
         blob[i] ^= 0x10
     raise AssertionError(f"no single-bit flip in {key} decodes")
 
@@ -151,10 +152,8 @@ def read_only_dir(tmp_path):
         yield d
         d.chmod(0o755)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root or CAP_SYS_ADMIN)")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with tmpfs(d, "size=1m,ro"):
+        yield d
 
 
 @pytest.mark.parametrize("command", ["maxtrain_to_hf", "hf_to_maxtrain"])
@@ -170,12 +169,8 @@ def test_a_read_only_out(command, step_dir, hf_dir, read_only_dir, capsys):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 128 KiB tmpfs: less than the tiny model's weights."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN)")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with tmpfs(tmp_path / "disk", "size=128k") as d:
+        yield d
 
 
 @pytest.mark.parametrize("command", ["maxtrain_to_hf", "hf_to_maxtrain"])
