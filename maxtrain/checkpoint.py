@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 
 from maxtrain.config import MODEL_KEYS, Config, defaults
 from maxtrain.digest import Corrupt, digest, json_sha256, leaf_signature, verify
-from maxtrain import orbax_quiet
+from maxtrain import orbax_quiet, storage
 from maxtrain.errors import NonFiniteState, RunError, UserError
 from maxtrain.trust import Trust
 
@@ -117,7 +117,7 @@ def _all_processes(ok: bool) -> bool:
 class Checkpointer:
     def __init__(self, c: Config):
         self.config = c
-        self.directory = Path(c.base_output_directory).absolute() / c.run_name / "checkpoints"
+        self.directory = storage.absolute(c.base_output_directory, "base_output_directory") / c.run_name / "checkpoints"
         for leftover in incomplete_steps(self.directory):
             print(f"warning: ignoring incomplete checkpoint {leftover.name} (a save was interrupted)", flush=True)
         options = ocp.CheckpointManagerOptions(
@@ -324,7 +324,7 @@ def incomplete_steps(directory: Path) -> list[Path]:
 
 
 def step_directory(path: str, key: str) -> Path:
-    p = Path(path).absolute()
+    p = storage.absolute(path, key)
     if not (p / "state").is_dir():
         raise CheckpointError(f"{key}: {p} is not a maxtrain checkpoint step directory "
                               f"(expected {p}/state; e.g. <run>/checkpoints/<step>)")
@@ -417,7 +417,7 @@ def load_parameters(c: Config, abstract_params):
 
 def save_parameters(path: str | Path, params, c: Config) -> None:
     """A parameters-only checkpoint step directory that load_parameters_path accepts."""
-    p = Path(path).absolute()
+    p = storage.absolute(path)
     # Synchronous, at most 1 GB of encoded data in flight: converting a model needs little more than it.
     saver = ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=1))
     saver.save(p / "state", args=ocp.args.StandardSave({"params": params}))

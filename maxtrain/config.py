@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from maxtrain import quantization, yaml_file
+from maxtrain import quantization, storage, yaml_file
 from maxtrain.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -33,6 +33,9 @@ MODEL_KEYS = (
     "shared_experts", "first_num_dense_layers", "routed_score_func", "norm_topk_prob", "routed_scaling_factor",
     "routed_bias",
 )
+# Keys that name files or directories: each may be a local path or a URL (maxtrain.storage).
+PATH_KEYS = ("base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
+             "load_parameters_path")
 PRESET_KEYS = (*MODEL_KEYS, "load_balance_loss_weight")  # a preset may also give the model's training default
 # Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.remat.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -358,6 +361,9 @@ def _validate(c: dict[str, Any]) -> None:
         raise ConfigError("num_epochs", "must be positive or -1 (repeat)")
     if c["dataset_type"] != "synthetic" and not c["train_files"]:
         raise ConfigError("train_files", f"dataset_type={c['dataset_type']} needs train_files (comma-separated globs)")
+    for key in PATH_KEYS:  # URLs: a scheme that cannot be used is one line naming the key
+        for value in c[key].split(",") if key.endswith("_files") else [c[key]]:
+            storage.check(value.strip(), key)
     if c["load_full_state_path"] and c["load_parameters_path"]:
         raise ConfigError("load_parameters_path", "set either load_full_state_path or load_parameters_path, not both")
     if not RUN_NAME.fullmatch(c["run_name"]):

@@ -24,6 +24,7 @@ import logging
 import math
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -34,7 +35,7 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib, digest as digest_lib, errors
+from maxtrain import config as config_lib, digest as digest_lib, errors, storage
 from maxtrain.hf_format import (FUSED_EXPERTS_NAME, HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for,
                                 hf_kind, hf_names, model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
 from maxtrain.model import ModelArgs
@@ -72,8 +73,17 @@ def _as_override(value: Any) -> str:
 
 
 def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overrides: tuple[str, ...] = ()) -> Path:
-    hf_path, out_path = Path(hf_dir), Path(out).absolute()
+    hf_path, out_path = storage.path(hf_dir, "--hf_dir"), storage.absolute(out, "--out")
     check_out(out_path)
+    if storage.is_url(hf_path):  # safetensors are read from memory maps: a local copy first
+        with tempfile.TemporaryDirectory(prefix="maxtrain-hf-") as local:
+            storage.download_tree(hf_path, Path(local))
+            return _hf_to_maxtrain(Path(local), out_path, config_path, overrides, shown=str(hf_path))
+    return _hf_to_maxtrain(hf_path, out_path, config_path, overrides)
+
+
+def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides: tuple[str, ...],
+                    shown: str | None = None) -> Path:
     hf = read_json(hf_path / "config.json")
     hf_keys = model_keys_from_hf(hf)
     base = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides])
@@ -116,7 +126,7 @@ def hf_to_maxtrain(hf_dir: str, out: str, config_path: str | None = None, overri
         if config_path:
             settings = {"base_config": str(Path(config_path).absolute())} | settings
         settings["load_parameters_path"] = str(out_path)
-        header = (f"# Written by `python -m maxtrain.convert hf_to_maxtrain` from {hf_path.absolute()}.\n"
+        header = (f"# Written by `python -m maxtrain.convert hf_to_maxtrain` from {shown or hf_path.absolute()}.\n"
                   f"# Train from these weights: python -m maxtrain.train {out_path}/maxtrain.yml key=value ...\n")
         (tmp / "maxtrain.yml").write_text(header + yaml.safe_dump(settings, sort_keys=False))
     return out_path
@@ -250,14 +260,14 @@ def find_hf_source(step_dir: Path) -> Path | None:
         origin = (yaml.safe_load(run_config.read_text()) or {}).get("load_parameters_path")
     except (OSError, yaml.YAMLError, AttributeError):
         return None
-    if origin and (Path(origin) / "hf" / "config.json").is_file():
-        return Path(origin) / "hf"
+    if origin and (storage.path(origin) / "hf" / "config.json").is_file():
+        return storage.path(origin) / "hf"
     return None
 
 
 def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_positions: int | None = None,
                    max_shard_bytes: int = 2 << 30, hf_source: str | None = None) -> Path:
-    out_path = Path(out).absolute()
+    out_path = storage.absolute(out, "--out")
     check_out(out_path)
     ckpt = CheckpointParams(checkpoint)
     m = ckpt.signature
@@ -265,7 +275,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
         raise ConvertError(f"base_emb_dim={m['base_emb_dim']} is not divisible by base_num_query_heads="
                            f"{m['base_num_query_heads']}: transformers cannot load such a Llama")
     hf_kind(m)  # refuses what no supported HF model expresses
-    source_dir = Path(hf_source) if hf_source else find_hf_source(ckpt.step_dir)
+    source_dir = storage.path(hf_source, "--hf_source") if hf_source else find_hf_source(ckpt.step_dir)
     source = read_json(source_dir / "config.json") if source_dir else None
     if source:
         theirs = model_keys_from_hf(source)
@@ -319,7 +329,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
         _name_shards(tmp, shard_names)
         for name in HF_SIDE_FILES[1:]:  # tokenizer and generation settings; config.json is written below
             if source_dir and (source_dir / name).is_file():
-                shutil.copy(source_dir / name, tmp / name)
+                (tmp / name).write_bytes((source_dir / name).read_bytes())
         hf = hf_config_for(m, dtype, source, max_positions)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out_path

@@ -10,7 +10,6 @@ positions mark the boundaries) or pad -> batch -> global jax.Array. Iterators ex
 from __future__ import annotations
 
 import functools
-import glob
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from maxtrain import storage
 from maxtrain.config import Config, ConfigError
 from maxtrain.errors import UserError
 from maxtrain.tokenizer import Tokenizer, make_tokenizer
@@ -112,7 +112,7 @@ def expand_files(patterns: str, key: str) -> list[str]:
     """Comma-separated globs -> sorted file list (the same on every process)."""
     files = []
     for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
-        matched = sorted(glob.glob(pattern, recursive=True))
+        matched = storage.glob(pattern, key)
         if not matched:
             raise ConfigError(key, f"no file matches {pattern!r}")
         files.extend(matched)
@@ -130,7 +130,7 @@ def _as_text(value, where: str, text_field: str) -> str:
 
 def _read_text_file(path: str, text_field: str) -> list[str]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = storage.path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read as UTF-8 text: {e}") from None
     if path.endswith(".jsonl"):
@@ -154,7 +154,7 @@ def _read_parquet(path: str, text_field: str) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(storage.path(path).open("rb") if storage.is_url(path) else path)
     except Exception as e:  # pyarrow raises several types for malformed files
         raise DataError(f"{path}: cannot read as parquet: {type(e).__name__}") from None
     if text_field not in table.column_names:
@@ -172,6 +172,8 @@ class _ArrayRecordText:
 
     def __init__(self, files: list[str], text_field: str):
         for f in files:
+            if storage.is_url(f):  # array_record's reader opens local files only
+                raise DataError(f"{f}: array_record files must be on a local (or mounted) file system")
             if not Path(f).is_file():
                 raise DataError(f"{f}: no such file")
         import grain

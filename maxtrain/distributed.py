@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import jax
 
@@ -178,10 +177,11 @@ def _who_went_away(c: Config, text: str, code: int) -> str:
 def _last_checkpoint(c: Config) -> str:
     if not c.enable_checkpointing:
         return "checkpointing is off"
-    directory = Path(c.base_output_directory).absolute() / c.run_name / "checkpoints"
+    from maxtrain import storage
+    directory = storage.absolute(c.base_output_directory) / c.run_name / "checkpoints"
     try:
         steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
-    except OSError:
+    except Exception:  # a local OSError, or an object store's own error types
         steps = []
     from maxtrain.trust import Trust
     trusted = Trust(directory, 0.0).newest_trusted(steps)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtrain import storage
 from maxtrain.config import Config
 from maxtrain.errors import RunError
 
@@ -117,7 +118,11 @@ class _EventFile:
         while self.path.exists():  # a writer made again within the second (a rollback) must not truncate it
             n += 1
             self.path = logdir / f"{stem}.{n}"
-        self._records = RecordWriter(str(self.path))
+        if storage.is_url(self.path):  # tensorboardX's gs:// writer needs google-cloud-storage: write through epath
+            self._records = RecordWriter.__new__(RecordWriter)
+            self._records._writer = storage.AppendedObject(self.path)
+        else:
+            self._records = RecordWriter(str(self.path))
         self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         # tensorboard hides the events of steps >= purge_step that earlier files hold (a resumed run's repeats)
         self._add(event_pb2.Event(wall_time=time.time(), step=purge_step,
@@ -156,7 +161,7 @@ class MetricsWriter:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             _drop_steps_after(path, start_step)
-            self._jsonl = open(path, "a")
+            self._jsonl = storage.open_append(path)
             if enable_tensorboard:
                 self._at = run_dir / "tensorboard"
                 self._tb = _EventFile(run_dir / "tensorboard", purge_step=start_step + 1)
@@ -225,9 +230,7 @@ def _drop_steps_after(path: Path, step: int) -> None:
 
     kept = [line for line in lines if step_of(line) <= step]
     if len(kept) < len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(path)  # atomic: a kill now leaves the old file or the new one
+        storage.write_atomic(path, "".join(kept))  # a kill now leaves the old file or the new one
 
 
 def format_line(step: int, m: dict[str, float]) -> str:

@@ -7,10 +7,12 @@ numbers, so a resumed run profiles the same steps or none) and lands in <run>/pr
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import jax
 
+from maxtrain import storage
 from maxtrain.config import Config
 
 
@@ -24,7 +26,10 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         """Call before dispatching step `step` (1-based, the step the state will be at after it)."""
         if self.enabled and step == self.first and not self.active:
-            jax.profiler.start_trace(str(self.directory))
+            # jax's profiler writes local files: a URL run directory gets them when the trace ends
+            url = storage.is_url(self.directory)
+            self._local = Path(tempfile.mkdtemp(prefix="maxtrain-profile-")) if url else None
+            jax.profiler.start_trace(str(self._local or self.directory))
             self.active = True
 
     def after_step(self, step: int, state) -> None:
@@ -37,3 +42,6 @@ class StepProfiler:
             jax.block_until_ready(state)  # the trace must hold the profiled steps' device work
             jax.profiler.stop_trace()
             self.active = False
+            if self._local is not None:
+                storage.upload_tree(self._local, self.directory)
+                storage.rmtree(self._local)

@@ -3,23 +3,24 @@ is ready, and removed again when this start made it and failed before its first 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import jax
 
-from maxtrain import config as config_lib
+from maxtrain import config as config_lib, storage
 
 
 def make(c: config_lib.Config) -> tuple[Path, bool]:
     """The run's directory, and whether this start created it."""
-    run_dir = Path(c.base_output_directory) / c.run_name
+    run_dir = storage.path(c.base_output_directory, "base_output_directory") / c.run_name
+    storage.check_bucket(run_dir, "base_output_directory")
     created = not run_dir.exists()
     if jax.process_index() == 0:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise config_lib.ConfigError("base_output_directory", f"cannot write {run_dir}: {e.strerror}") from None
+            raise config_lib.ConfigError("base_output_directory",
+                                         f"cannot write {run_dir}: {e.strerror or storage.error_text(e)}") from None
     return run_dir, created
 
 
@@ -29,7 +30,8 @@ def write_config(c: config_lib.Config, run_dir: Path) -> None:
         try:
             (run_dir / "config.yml").write_text(c.to_yaml())
         except OSError as e:
-            raise config_lib.ConfigError("base_output_directory", f"cannot write {run_dir}: {e.strerror}") from None
+            raise config_lib.ConfigError("base_output_directory",
+                                         f"cannot write {run_dir}: {e.strerror or storage.error_text(e)}") from None
 
 
 def remove_if_unused(run_dir: Path) -> None:
@@ -39,7 +41,7 @@ def remove_if_unused(run_dir: Path) -> None:
         return
     metrics = run_dir / "metrics.jsonl"
     checkpoints = run_dir / "checkpoints"
-    if (metrics.exists() and metrics.stat().st_size) or (checkpoints.is_dir() and any(
+    if (metrics.exists() and storage.size(metrics)) or (checkpoints.is_dir() and any(
             p.name.isdigit() for p in checkpoints.iterdir())):
         return
-    shutil.rmtree(run_dir, ignore_errors=True)
+    storage.rmtree(run_dir)

@@ -1,6 +1,7 @@
 """The output directory of a conversion (--out): checked before any work, written under a temporary
 sibling name, renamed when complete. A failure (a file in the way, a read-only or full disk, bad input
-found half-way) is one line naming --out and leaves nothing behind."""
+found half-way) is one line naming --out and leaves nothing behind. An --out URL (gs://) has no rename:
+the output is written into a local temporary directory and uploaded when complete, one object per file."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from maxtrain import storage
 from maxtrain.checkpoint import os_error_text
 from maxtrain.errors import UserError
 from maxtrain.hf_format import ConvertError
@@ -20,6 +22,14 @@ def unwritable(out_path: Path, e: BaseException) -> ConvertError:
 
 def check_out(out_path: Path) -> None:
     """Refuses an --out that holds something or cannot be written, before any work is done."""
+    if storage.is_url(out_path):
+        try:
+            taken = out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir()))
+        except Exception as e:  # an object store's own error types (no such bucket, no permission)
+            raise unwritable(out_path, e) from None
+        if taken:
+            raise ConvertError(f"--out: {out_path} already exists and is not empty")
+        return
     try:
         taken = out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir()))
         existing = next(p for p in out_path.parents if p.exists())
@@ -37,6 +47,10 @@ def check_out(out_path: Path) -> None:
 def staged(out_path: Path, keep: bool = True):
     """Yields a temporary sibling directory to write into, renamed to `out_path` when the block completes
     (`keep`). On any failure nothing stays: not the temporary directory, nor the parents made for it."""
+    if storage.is_url(out_path):
+        with _staged_upload(out_path, keep) as tmp:
+            yield tmp
+        return
     made: list[Path] = []
     tmp, done = None, False
     try:
@@ -60,6 +74,26 @@ def staged(out_path: Path, keep: bool = True):
     finally:
         if not done:
             _remove(tmp, made)
+
+
+@contextmanager
+def _staged_upload(out_path, keep: bool):
+    """staged() for a URL: a local temporary directory, uploaded to `out_path` when the block completes."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"maxtrain-{out_path.name}.partial-"))
+    try:
+        yield tmp
+        if keep:
+            try:
+                storage.upload_tree(tmp, out_path)
+            except Exception as e:  # an object store's own error types: a part-upload is removed
+                storage.rmtree(out_path)
+                raise unwritable(out_path, e) from None
+    except UserError:
+        raise
+    except OSError as e:
+        raise unwritable(out_path, e) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _remove(tmp: Path | None, made: list[Path]) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
+from maxtrain import storage
 from maxtrain.config import Config, ConfigError
 
 
@@ -52,7 +51,10 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
-            self._sp.Load(path)
+            if storage.is_url(path):  # sentencepiece reads local files; a URL's bytes are read here
+                self._sp.LoadFromSerializedProto(storage.path(path).read_bytes())
+            else:
+                self._sp.Load(path)
         except (OSError, RuntimeError):
             raise ConfigError("tokenizer_path", f"{path}: cannot load as a sentencepiece model") from None
         self.vocab_size = self._sp.GetPieceSize()
@@ -71,7 +73,10 @@ class HuggingFaceTokenizer(Tokenizer):
         super().__init__(add_bos, add_eos)
         import tokenizers
         try:
-            self._tok = tokenizers.Tokenizer.from_file(path)
+            if storage.is_url(path):  # tokenizers reads local files; a URL's text is read here
+                self._tok = tokenizers.Tokenizer.from_str(storage.path(path).read_text(encoding="utf-8"))
+            else:
+                self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception:  # the Rust side raises a bare Exception for unparseable files
             raise ConfigError("tokenizer_path", f"{path}: cannot load as a HuggingFace tokenizer.json") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -102,7 +107,7 @@ def make_tokenizer(c: Config) -> Tokenizer:
     if c.tokenizer_type == "byte":
         tok = ByteTokenizer(c.add_bos, c.add_eos)
     else:
-        if not c.tokenizer_path or not Path(c.tokenizer_path).is_file():
+        if not c.tokenizer_path or not storage.path(c.tokenizer_path, "tokenizer_path").is_file():
             raise ConfigError("tokenizer_path", f"{c.tokenizer_path or '(empty)'}: no such file "
                               f"(tokenizer_type={c.tokenizer_type} needs one)")
         if c.tokenizer_type == "sentencepiece":

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from pathlib import Path
 
 import jax
 
+from maxtrain import storage
 from maxtrain.errors import RunError
 
 FILE = "trust.json"
@@ -34,7 +34,7 @@ MIN_HISTORY = 4    # fewer than this: no spike test (the first steps of a run fa
 
 class Trust:
     def __init__(self, directory: Path, spike_factor: float):
-        self.path = Path(directory) / FILE
+        self.path = storage.path(directory) / FILE
         self.spike_factor = spike_factor
         self.trusted: set[int] = set()
         self.rejected: dict[int, str] = {}
@@ -110,13 +110,7 @@ class Trust:
             return
         record = {"trusted": sorted(self.trusted), "rejected": {str(s): w for s, w in sorted(self.rejected.items())},
                   "losses": self.losses}
-        tmp = self.path.with_name(FILE + ".tmp")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.path)  # a kill leaves the old verdicts or the new ones, never half a file
+        try:  # a kill leaves the old verdicts or the new ones, never half a file
+            storage.write_atomic(self.path, json.dumps(record))
         except OSError as e:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
             raise RunError(f"cannot write {self.path}: {e.strerror} [errno {e.errno}]") from None

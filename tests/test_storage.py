@@ -1,0 +1,192 @@
+"""Paths are URLs where the user gives a URL: runs, checkpoints, resume, data, tokenizers and HF export on
+gs://, tested for real against a local GCS emulator (STORAGE_EMULATOR_HOST); an unusable scheme is one line."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SHAKESPEARE, TESTS, TINY
+from test_checkpoint import cli, finish, params_equal_bitwise, saved_params, wait_for_line
+from test_faults import main_in_process, one_line
+
+from maxtrain import convert, storage, tokenizer as tokenizer_lib
+
+BUCKET = "bucket"
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """A gcp-storage-emulator on a free local port with one bucket, STORAGE_EMULATOR_HOST pointing at it
+    (for this process and the ones it starts); yields the bucket's URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(TESTS / "gcs_emulator.py"), str(port), BUCKET],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
+                                            "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
+    storage._configured = False  # wire this process's clients to the emulator, as a fresh process would
+    storage.configure()
+    try:
+        yield f"gs://{BUCKET}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        storage._configured = False
+
+
+def gs_files(url: str) -> list[str]:
+    import fsspec
+    return sorted(f"gs://{f}" for f in fsspec.filesystem("gs").find(url.removeprefix("gs://")))
+
+
+# ---- unusable schemes: one line naming the key, nothing made locally ---------------------------------
+
+@pytest.mark.parametrize("override, expected", [
+    ("base_output_directory=foo://x/runs",
+     "config error: base_output_directory: foo://x/runs: unsupported scheme foo:// (use a local path, gs:// or s3://)"),
+    ("load_parameters_path=s3://b/ckpt/5",
+     "config error: load_parameters_path: s3://b/ckpt/5: s3:// needs the s3fs package: pip install s3fs"),
+    ("train_files=data/a.txt,ftp://h/b.txt",
+     "config error: train_files: ftp://h/b.txt: unsupported scheme ftp:// (use a local path, gs:// or s3://)"),
+])
+def test_an_unusable_scheme_is_one_line(override, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = main_in_process([TINY, "dataset_type=text", "train_files=x.txt", override], capsys)
+    assert (code, one_line(err)) == (2, expected)
+    assert list(tmp_path.iterdir()) == []  # no ./foo:/x/runs
+
+
+def test_gs_without_gcsfs_says_what_to_install(capsys, monkeypatch):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gcsfs" else find_spec(name, *a))
+    code, err = main_in_process([TINY, "base_output_directory=gs://b/runs"], capsys)
+    assert (code, one_line(err)) == (2, "config error: base_output_directory: gs://b/runs: gs:// needs the gcsfs "
+                                        "package: pip install 'maxtrain[gcs]'")
+
+
+def test_export_to_an_unusable_scheme_is_one_line(capsys, tmp_path):
+    assert convert.main(["maxtrain_to_hf", "--checkpoint", str(tmp_path), "--out", "foo://x/hf"]) == 2
+    assert one_line(capsys.readouterr().err) == ("config error: --out: foo://x/hf: unsupported scheme foo:// "
+                                                 "(use a local path, gs:// or s3://)")
+
+
+# ---- against the emulator ----------------------------------------------------------------------------
+
+def test_atomic_write_and_append_on_gcs(gcs):
+    p = storage.path(f"{gcs}/unit/trust.json")
+    storage.write_atomic(p, '{"a": 1}')
+    storage.write_atomic(p, '{"a": 2}')
+    assert p.read_text() == '{"a": 2}' and gs_files(f"{gcs}/unit") == [f"{gcs}/unit/trust.json"]  # no .tmp
+    f = storage.open_append(storage.path(f"{gcs}/unit/log.jsonl"))
+    f.write("one\n")
+    f.flush()
+    f.close()
+    f = storage.open_append(storage.path(f"{gcs}/unit/log.jsonl"))
+    f.write("two\n")
+    f.close()
+    assert storage.path(f"{gcs}/unit/log.jsonl").read_text() == "one\ntwo\n"
+    assert storage.glob(f"{gcs}/unit/*.json", "k") == [f"{gcs}/unit/trust.json"]
+    assert storage.glob(f"{gcs}/**/*.jsonl", "k") == [f"{gcs}/unit/log.jsonl"]
+
+
+def test_tokenizer_from_gcs(gcs, hf_tokenizer_json, tiny_config):
+    url = f"{gcs}/tok/tokenizer.json"
+    storage.path(url).write_bytes(hf_tokenizer_json.read_bytes())
+    args = ("tokenizer_type=huggingface", "vocab_size=640")
+    remote = tokenizer_lib.make_tokenizer(tiny_config(*args, f"tokenizer_path={url}"))
+    local = tokenizer_lib.make_tokenizer(tiny_config(*args, f"tokenizer_path={hf_tokenizer_json}"))
+    text = "To be, or not to be"
+    assert remote.encode(text).tolist() == local.encode(text).tolist() and remote.vocab_size == local.vocab_size
+
+
+@pytest.mark.slow
+def test_train_sigterm_resume_on_gcs_matches_a_local_run_bitwise(gcs, tmp_path):
+    """Outputs on gs://: killed (SIGTERM) mid-run, resumed from the bucket, the final parameters equal a
+    straight local run's bit for bit; metrics, trust verdicts, config and tensorboard land in the bucket."""
+    args = ("steps=12", "checkpoint_period=2", "log_period=1", "learning_rate_schedule_steps=12",
+            "enable_tensorboard=true", "max_num_checkpoints_to_keep=2")
+    code, _, err = finish(cli(*args, out=tmp_path))
+    assert code == 0, err[-2000:]
+    runs = f"{gcs}/runs"
+    proc = cli(*args, out=runs)
+    wait_for_line(proc, "step      3 |")
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == 0, err[-2000:]
+    stopped = [x for x in out.splitlines() if "stopped by SIGTERM" in x]
+    assert stopped and "checkpoint saved" in stopped[0], out[-2000:]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    assert step < 12
+    code, out, err = finish(cli(*args, out=runs))
+    assert code == 0, err[-2000:]
+    assert f"resumed from {runs}/tiny/checkpoints/{step}" in out
+    assert params_equal_bitwise(saved_params(storage.path(f"{runs}/tiny/checkpoints/12")),
+                                saved_params(tmp_path / "tiny" / "checkpoints" / "12"))
+    files = gs_files(f"{runs}/tiny")
+    assert not any(f.startswith(f"{gcs}/runs/tiny/gs:") for f in files)
+    assert {f"{runs}/tiny/{f}" for f in ("config.yml", "metrics.jsonl", "checkpoints/trust.json")} <= set(files)
+    assert sorted({int(f.split("/checkpoints/")[1].split("/")[0]) for f in files if "/checkpoints/" in f and
+                   f.split("/checkpoints/")[1].split("/")[0].isdigit()}) == [10, 12]  # retention on the bucket
+    assert any("/tensorboard/events.out.tfevents." in f for f in files)
+    rows = [json.loads(x) for x in storage.path(f"{runs}/tiny/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))  # each step once
+    trust = json.loads(storage.path(f"{runs}/tiny/checkpoints/trust.json").read_text())
+    assert 10 in trust["trusted"]
+    assert not (TESTS.parent / "gs:").exists()
+
+
+@pytest.mark.slow
+def test_data_from_gcs_and_export_to_gcs(gcs, tmp_path, capsys):
+    """Train and eval files read from the bucket (a glob), then the run's checkpoint exported to HF format
+    on the bucket: the same files, byte for byte, as an export to a local directory."""
+    text = SHAKESPEARE.read_text()
+    storage.path(f"{gcs}/data/train/a.txt").write_text(text[:60_000])
+    storage.path(f"{gcs}/data/train/b.txt").write_text(text[60_000:120_000])
+    storage.path(f"{gcs}/data/eval.txt").write_text(text[-20_000:])
+    runs = f"{gcs}/datarun"
+    code, out, err = finish(cli("steps=4", "checkpoint_period=4", "dataset_type=text", "vocab_size=384",
+                                f"train_files={gcs}/data/train/*.txt", f"eval_files={gcs}/data/eval.txt",
+                                "eval_interval=2", "eval_steps=2", out=runs))
+    assert code == 0, err[-2000:]
+    assert "eval        4 | loss" in out
+    code, _, err = finish(cli("steps=4", "dataset_type=text", "vocab_size=384", f"train_files={gcs}/none/*.txt",
+                              out=tmp_path))
+    assert (code, one_line(err)) == (2, f"config error: train_files: no file matches '{gcs}/none/*.txt'")
+    step_dir = f"{runs}/tiny/checkpoints/4"
+    exported = convert.maxtrain_to_hf(step_dir, f"{gcs}/hf")
+    assert str(exported) == f"{gcs}/hf"
+    convert.maxtrain_to_hf(step_dir, str(tmp_path / "hf"))
+    names = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert gs_files(f"{gcs}/hf") == [f"{gcs}/hf/{n}" for n in names]
+    for n in names:
+        assert storage.path(f"{gcs}/hf/{n}").read_bytes() == (tmp_path / "hf" / n).read_bytes(), n
+    # A second export to the same place is refused before any work, in one line.
+    capsys.readouterr()
+    assert convert.main(["maxtrain_to_hf", "--checkpoint", step_dir, "--out", f"{gcs}/hf"]) == 2
+    assert one_line(capsys.readouterr().err) == f"convert error: --out: {gcs}/hf already exists and is not empty"
+
+
+def test_generate_reads_a_checkpoint_on_gcs(gcs, tmp_path):
+    """A run on gs:// (its profile trace uploaded there too), then generate from its checkpoint there."""
+    code, _, err = finish(cli("steps=2", "checkpoint_period=2", "profiler=xplane", "profiler_start_step=1",
+                              "profiler_steps=1", out=f"{gcs}/gen"))
+    assert code == 0, err[-2000:]
+    assert any(f.endswith(".xplane.pb") for f in gs_files(f"{gcs}/gen/tiny/profile/plugins/profile"))
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.generate", TINY,
+                           f"load_parameters_path={gcs}/gen/tiny/checkpoints/2", "prompt_ids=1,2,3",
+                           "max_new_tokens=4"], capture_output=True, text=True, timeout=300, cwd=TESTS.parent,
+                          env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    generated = [x for x in proc.stdout.splitlines() if x.startswith("generated ids: ")]
+    assert len(generated) == 1 and len(json.loads(generated[0].removeprefix("generated ids: "))) == 4
