@@ -269,3 +269,35 @@ def test_ctrl_c_during_start_up_ends_at_once_in_one_line(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "step" not in out, (out, err)
     assert one_line(err) == "interrupted by Ctrl-C during start-up, before the first step: nothing saved"
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_stops_every_process_at_one_saved_step(tmp_path):
+    """A terminal's Ctrl-C goes to its whole foreground process group: the launcher and each process's
+    supervisor, which hands it to its training child; JAX's preemption service agrees on one step."""
+    env = dict(os.environ, MAXTRAIN_LOG_DIR=str(tmp_path / "logs"), MAXTRAIN_DEVICES_PER_PROCESS="4",
+               PYTHON=sys.executable)
+    args = [str(TESTS.parent / "scripts" / "launch_local.sh"), "2", TINY, f"base_output_directory={tmp_path}",
+            "log_period=1", "enable_checkpointing=true", "checkpoint_period=100000", "compilation_cache_dir=",
+            "ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2"]
+    proc = subprocess.Popen([*args, "steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=TESTS.parent, start_new_session=True)
+    output = Output(proc)
+    try:
+        output.wait_for(r"\bstep\s+3\b")
+        os.killpg(proc.pid, signal.SIGINT)  # as the terminal does
+        code, lines, err = output.finish(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    stopped = [x for x in lines if x.startswith("stopped by")]
+    step = int(stopped[0].split("after step ")[1].split(":")[0]) if stopped else -1
+    assert stopped == [f"stopped by Ctrl-C (SIGINT) after step {step}: checkpoint saved at step {step}; rerun the "
+                       "same command to resume"], lines[-5:]
+    checkpoints = tmp_path / "tiny" / "checkpoints"
+    assert saved_steps(checkpoints) == [step]
+    rerun = subprocess.run([*args, f"steps={step + 2}"], capture_output=True, text=True, env=env, cwd=TESTS.parent,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {checkpoints}/{step}" in rerun.stdout and f"done: {step + 2} steps" in rerun.stdout
