@@ -63,13 +63,13 @@ def model_signature(c: Config) -> dict[str, Any]:
     return {k: c[k] for k in (*MODEL_KEYS, "load_balance_loss_weight")} | {"scan_layers": c.scan_layers}
 
 
-def check_model(saved: dict[str, Any], c: Config, where: str) -> None:
+def check_model(saved: dict[str, Any], c: Config, where: str, hint: str = "") -> None:
     ours = model_signature(c)
     saved = {**defaults(), **saved}  # keys added since the checkpoint was written had their default
     diff = [f"{k} (checkpoint {saved.get(k)!r}, config {ours[k]!r})" for k in ours
             if saved.get(k) != ours[k] and k != "load_balance_loss_weight"]  # that one may change in a fine-tune
     if diff:
-        raise CheckpointError(f"{where}: model shape differs: {'; '.join(diff)}")
+        raise CheckpointError(f"{where}: model shape differs: {'; '.join(diff)}{hint}")
 
 
 def check_layout(saved: list[list], abstract, where: str, hint: str) -> None:
@@ -279,7 +279,8 @@ class Checkpointer:
             raise
         except Exception as e:  # a missing, empty or garbled file: Orbax raises many types
             raise Corrupt(f"cannot read its model description and digest: {type(e).__name__}") from None
-        check_model(saved_model, self.config, where)  # a config mistake, not damage: no fallback
+        check_model(saved_model, self.config, where, f"; run_name={self.config.run_name} is another model's run: "
+                    "choose another run_name, or leave it unset for one derived from the model")  # not damage
         check_layout(record["leaves"], abstract_state, where, RESUME_HINT)
         ok, why, restored = True, "", None
         try:

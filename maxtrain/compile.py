@@ -21,7 +21,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-from maxtrain import config as config_lib, errors, mesh as mesh_lib, metrics, platform_defaults  # noqa: E402
+from maxtrain import cli_help, config as config_lib, errors, mesh as mesh_lib, metrics, platform_defaults  # noqa: E402
 from maxtrain import fit, step as step_lib, summary  # noqa: E402
 
 # HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
@@ -136,9 +136,8 @@ FLOPs per step; exit 1 if it would not fit. Needs libtpu: pip install -e ".[tpu]
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+    if (code := cli_help.handle(argv, USAGE)) is not None:
+        return code
 
     def run():
         c = config_lib.load(argv)

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from maxtrain import quantization, storage, yaml_file
+from maxtrain import quantization, run_name as run_name_lib, storage, yaml_file
 from maxtrain.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -273,6 +273,8 @@ def load(argv: Sequence[str]) -> Config:
     values = {**defaults, **files, **preset, **overrides}
     for key, value in values.items():
         values[key] = _check_type(key, value, defaults[key])
+    values["run_name_derived"] = not values["run_name"]  # none given: named after what defines the run
+    values["run_name"] = values["run_name"] or run_name_lib.derive(argv[0], values, defaults)
     _validate(values)
     return Config(_derive_static(values))
 

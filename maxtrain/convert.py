@@ -35,7 +35,7 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib, digest as digest_lib, errors, storage
+from maxtrain import cli_help, config as config_lib, digest as digest_lib, errors, platform_env, storage
 from maxtrain.hf_format import (FUSED_EXPERTS_NAME, HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for,
                                 hf_kind, hf_names, model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
 from maxtrain.model import ModelArgs
@@ -356,7 +356,9 @@ def _name_shards(tmp: Path, shard_names: list[list[str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m maxtrain.convert", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m maxtrain.convert", description=__doc__.split("\n\n")[0],
+                                     epilog=f"python -m maxtrain.convert COMMAND --help: that command's options. "
+                                            f"{cli_help.where_keys_are()}")
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("hf_to_maxtrain", help="HF directory (config.json + safetensors) -> maxtrain checkpoint")
     imp.add_argument("--hf_dir", required=True)
@@ -372,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--max_position_embeddings", type=int, help="default: the HF source's, else 4096")
     exp.add_argument("--max_shard_mb", type=int, default=2048, help="safetensors file size limit")
     args = parser.parse_args(argv)
+    platform_env.quiet_without_accelerators()
 
     def run():
         if args.command == "hf_to_maxtrain":

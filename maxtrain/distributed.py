@@ -111,7 +111,11 @@ def _die_with_parent() -> None:
 def _run_child(c: Config) -> int:
     child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env={**os.environ, _CHILD_ENV: "1"},
                              stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
-    # Signals reach the child through here only (it has a session of its own): once each.
+    # Signals reach the child through here only (it has a session of its own, so a terminal's Ctrl-C, sent to
+    # the whole foreground group, reaches this process alone): once each. The child turns a Ctrl-C into a
+    # preemption that JAX's service agrees on with the peers (interrupts.py).
+    from maxtrain import interrupts
+    interrupts.stop_watching()  # this process answers no signal itself: it hands each on
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     lines: queue.Queue = queue.Queue()
@@ -148,7 +152,7 @@ def _run_child(c: Config) -> int:
     held.extend(x for _, x in waiting)
     code = child.wait()
     text = b"".join(held).decode(errors="replace")
-    if code in (0, 1, 2) and "Terminating process because" not in text:
+    if code in (0, 1, 2, interrupts.INTERRUPTED_EXIT_CODE) and "Terminating process because" not in text:
         mine = [x for x in held if _ONE_LINE.match(x)]  # a one-line error after the peers' noise
         sys.stderr.buffer.write(b"".join(mine if code and mine else held))
         sys.stderr.flush()

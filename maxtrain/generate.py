@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib, errors, fit, summary
+from maxtrain import cli_help, config as config_lib, errors, fit, platform_env, summary
 from maxtrain import mesh as mesh_lib, step as step_lib, tokenizer as tokenizer_lib
 from maxtrain.model import output_logits
 from maxtrain.train import load_config, say
@@ -142,9 +142,9 @@ temperature > 0 (top_k, sampling_seed). The prompt and the new tokens together f
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+    if (code := cli_help.handle(argv, USAGE)) is not None:
+        return code
+    platform_env.quiet_without_accelerators()
     return errors.exit_code(lambda: run(load_config(argv)))
 
 

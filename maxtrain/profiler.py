@@ -22,6 +22,7 @@ class StepProfiler:
         self.first, self.last = c.profiler_start_step, c.profiler_start_step + c.profiler_steps - 1
         self.directory = run_dir / "profile"
         self.active = False
+        self.seen = self.first  # the last step dispatched: a run may end inside the traced steps
 
     def before_step(self, step: int) -> None:
         """Call before dispatching step `step` (1-based, the step the state will be at after it)."""
@@ -34,14 +35,21 @@ class StepProfiler:
 
     def after_step(self, step: int, state) -> None:
         """Call after dispatching step `step`: past the last profiled step, wait for it and write the trace."""
+        self.seen = step
         if self.active and step >= self.last:
             self.stop(state)
 
     def stop(self, state=None) -> None:
         if self.active:
             jax.block_until_ready(state)  # the trace must hold the profiled steps' device work
+            before = set(self.directory.glob("plugins/profile/*"))
             jax.profiler.stop_trace()
             self.active = False
             if self._local is not None:
                 storage.upload_tree(self._local, self.directory)
                 storage.rmtree(self._local)
+            if jax.process_index() == 0:
+                written = sorted(set(self.directory.glob("plugins/profile/*")) - before) or [self.directory]
+                steps = f"step {self.first}" if self.seen == self.first else f"steps {self.first}-{self.seen}"
+                print(f"profiler: trace of {steps} written to {written[-1]} (view it with "
+                      f"tensorboard --logdir {self.directory} or xprof --logdir={self.directory})", flush=True)

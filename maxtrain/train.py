@@ -9,29 +9,24 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
+    from maxtrain import interrupts
+    interrupts.watch()  # first thing: Ctrl-C and SIGTERM end the start-up at once, in one line
     from maxtrain.hugepages import reexec_with_huge_pages
     reexec_with_huge_pages()
     from maxtrain.distributed import supervise
     supervise(sys.argv[1:])  # a multi-process run trains in a child: a lost peer is one line, not an abort
-    import os as _os
-    import signal as _signal
-
-    def _stop_during_startup(signum, frame):  # no step has run: nothing to save, so stop now, cleanly
-        print("stopped by SIGTERM during start-up, before the first step: nothing to save", flush=True)
-        _os._exit(0)
-    _signal.signal(_signal.SIGTERM, _stop_during_startup)  # first thing: honoured from the first moment
 
 import concurrent.futures
 import math
 import os
-import signal
 import time
 
 import jax
 
 from maxtrain import config as config_lib, errors
 from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, platform_defaults
-from maxtrain import profiler as profiler_lib, run_dir as run_dir_lib
+from maxtrain import cli_help, platform_env, profiler as profiler_lib, run_dir as run_dir_lib, run_name as run_name_lib
+from maxtrain.interrupts import Preemption
 from maxtrain import step as step_lib, summary
 
 
@@ -98,38 +93,6 @@ def evaluate(c: config_lib.Config, trainer: step_lib.Trainer, params, make_eval_
         loss_sum, tokens = loss_sum + float(out["loss_sum"]), tokens + float(out["tokens"])
     loss = loss_sum / max(tokens, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
-
-
-class Preemption:
-    """SIGTERM (what TPU, GKE and SLURM preemption send) as a step at which to save and stop.
-
-    Before the loop the CLI's start-up handler ends the process at once (no step, nothing to save). From
-    the loop on, one process: a handler sets a flag that the next step sees. Several processes: the signal
-    may reach each at a different step, so JAX's preemption service (started by jax.distributed.initialize,
-    with its own SIGTERM handler, which a Python handler would replace) agrees on one step for all.
-    """
-
-    def __init__(self):
-        self.multiprocess = jax.process_count() > 1
-        self.received = False
-        if self.multiprocess:
-            from jax.experimental import multihost_utils
-            self._sync_point = multihost_utils.reached_preemption_sync_point
-        else:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def reached(self, step: int) -> bool:
-        """Call after every step (all processes, every step): True at the step to stop after."""
-        if self.multiprocess and not self.received:
-            self.received = self._sync_point(step)
-        return self.received
-
-    def restore(self):
-        if not self.multiprocess:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 class NonFiniteGuard:
@@ -350,28 +313,38 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
     if preempted:
         where = f"checkpoint saved at step {last}; rerun the same command to resume" if checkpointer is not None else \
             "checkpointing is off, nothing saved"
-        say(f"stopped by SIGTERM after step {last}: {where}")
+        say(f"stopped by {stop.name} after step {last}: {where}")
         return {"losses": history, "state": state, "preempted": True, "eval_losses": eval_history}
     elapsed = time.perf_counter() - t_start
     if not history:
-        say(f"nothing to do: the run is already at step {int(state.step)} of {c.steps}")
+        say(f"nothing to do: run {c.run_name} is finished (at step {int(state.step)} of steps={c.steps}); its outputs "
+            f"are in {run_dir} (raise steps to train on)")
         return {"losses": history, "state": state}
     say(f"done: {int(state.step)} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}{skipped}; outputs in {run_dir}")
     return {"losses": history, "state": state, "eval_losses": eval_history, "nonfinite_steps": guard.count}
 
 
 USAGE = """usage: python -m maxtrain.train CONFIG.yml [key=value ...]
+       python -m maxtrain.train --help-keys [PATTERN]
 
-Trains the decoder CONFIG.yml describes (configs/base.yml lists every key, its default and meaning);
-key=value pairs override the files. Outputs go to base_output_directory/run_name/."""
+Trains the decoder CONFIG.yml describes; key=value pairs override the files. Outputs go to
+base_output_directory/run_name/ (without a run_name: one derived from the config file's name and the keys
+that define the model, optimizer and data, so the same command resumes the same run). Ctrl-C or SIGTERM
+saves the current step and stops (a rerun resumes); a third Ctrl-C quits without that save."""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
-    return errors.exit_code(lambda: train(load_config(argv)))
+    if (code := cli_help.handle(argv, USAGE)) is not None:
+        return code
+    platform_env.quiet_without_accelerators()
+
+    def run():
+        c = load_config(argv)
+        if c.run_name_derived:
+            say(run_name_lib.note(argv[0], c.run_name))
+        return train(c)
+    return errors.exit_code(run)
 
 
 if __name__ == "__main__":

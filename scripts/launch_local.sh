@@ -21,6 +21,9 @@ devices=${MAXTRAIN_DEVICES_PER_PROCESS:-4}
 platform=${MAXTRAIN_PLATFORM:-cpu}
 log_dir=${MAXTRAIN_LOG_DIR:-outputs/launch_local}
 
+# A terminal's Ctrl-C reaches every process of this group: each maxtrain process saves the step they agree
+# on and stops; this script keeps waiting for them and exits with their status.
+trap '' INT
 pids=()
 for ((i = 0; i < n; i++)); do
   cmd=(env "XLA_FLAGS=--xla_force_host_platform_device_count=$devices" "JAX_PLATFORMS=$platform"

@@ -183,7 +183,7 @@ def test_finetune_from_imported_checkpoint_on_shakespeare(tmp_path, hf_tokenizer
     assert "generated ids: [" in done.stdout and "text: " in done.stdout
 
     # The trained run goes back to HF with the tokenizer and token ids of the model it started from.
-    assert convert.main(["maxtrain_to_hf", "--checkpoint", str(tmp_path / "default" / "checkpoints" / "30"),
+    assert convert.main(["maxtrain_to_hf", "--checkpoint", str(tmp_path / c.run_name / "checkpoints" / "30"),
                          "--out", str(tmp_path / "back")]) == 0
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert (back.config.bos_token_id, back.config.eos_token_id) == (1, 2)

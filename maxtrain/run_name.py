@@ -1,0 +1,54 @@
+"""The run's name when the config gives none: the config file's stem and a short hash of what defines the run.
+
+Two commands that train the same model on the same data with the same optimizer share a directory (so a rerun
+with more steps resumes); any other difference in the model, optimizer or data gives another name (so a new
+model starts a new run instead of being refused by the old run's checkpoints). Keys that only say how long,
+how often, where, on which mesh or how fast are left out of the hash. Only the values that differ from
+base.yml's defaults enter it: a key added later, at a default that keeps the old behaviour, keeps every
+existing name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# Keys that do not change what is trained (the model, optimizer, data and their order): how long and how
+# often, where the outputs go, how the work is laid out on the devices, and the other entry points' keys.
+NOT_DEFINING = frozenset({
+    "run_name", "base_output_directory", "steps", "log_period", "dry_run", "compilation_cache_dir",
+    "eval_files", "eval_interval", "eval_steps",
+    "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
+    "nan_policy", "max_nonfinite_steps", "loss_spike_factor",
+    "enable_tensorboard", "peak_tflops_per_device", "profiler", "profiler_start_step", "profiler_steps",
+    "compile_topology", "compile_topology_num_slices",
+    "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "sampling_seed",
+    "distributed_init", "coordinator_address", "num_processes", "process_id", "distributed_heartbeat_timeout_seconds",
+    "logical_axis_rules", "context_parallel_load_balance", "scan_unroll", "remat_policy", "mlp_chunk_size",
+    "loss_chunk_size", "attention", "moe_grouped_matmul",
+    *(f"{group}_{axis}_parallelism" for group in ("ici", "dcn")
+      for axis in ("data", "fsdp", "expert", "context", "tensor")),
+})
+HASH_CHARS = 8
+
+
+def defining(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys that define the run and differ from base.yml, sorted."""
+    return {k: values[k] for k in sorted(defaults) if k not in NOT_DEFINING and values[k] != defaults[k]}
+
+
+def derive(config_file: str, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
+    """`<config file's stem>-<hash>`, e.g. shakespeare-3f0c9a1e: a plain name (config.RUN_NAME)."""
+    stem = re.sub(r"^[^A-Za-z0-9]+", "", re.sub(r"[^A-Za-z0-9._-]", "_", Path(config_file).stem)) or "run"
+    text = json.dumps(defining(values, defaults), sort_keys=True, separators=(",", ":"))
+    return f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:HASH_CHARS]}"
+
+
+def note(config_file: str, name: str) -> str:
+    """What the start says of a derived name."""
+    return (f"run_name: {name} (derived from {Path(config_file).name} and the keys that define the model, "
+            "optimizer and data; the same command resumes it; set run_name=... to choose one)")
