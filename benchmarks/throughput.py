@@ -54,7 +54,7 @@ def main():
 
     peak = metrics.measure_cpu_peak_tflops(size=2048) if jax.devices()[0].platform == "cpu" else None
     base = train.load_config(CONFIG + overrides)
-    peak = peak / jax.local_device_count() if peak else metrics.peak_tflops_per_device(base)
+    peak = peak / jax.local_device_count() if peak else metrics.peak_tflops_per_device(base).tflops
     flops = metrics.train_flops_per_step(base) / base.num_devices
     tokens = base.global_batch_size * base.max_target_length
     print(f"{base.num_params / 1e6:.1f}M params | {base.num_devices} device(s) {jax.devices()[0].device_kind} | "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,7 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"cannot use {self.directory}: {os_error_text(e)}") from None
         self._unconfirmed: int | None = None  # a save started but not yet known complete
+        self._save_started = 0.0
         self.trust = Trust(self.directory, c.loss_spike_factor)
 
     def due(self, step: int) -> bool:
@@ -148,6 +150,7 @@ class Checkpointer:
                                   data=ocp.args.JsonSave(data_state),
                                   model=ocp.args.JsonSave(model_signature(self.config)),
                                   digest=ocp.args.JsonSave(record))
+        self._save_started = time.perf_counter()
         try:
             self.manager.save(step, args=args, force=True)
         except Exception as e:
@@ -182,6 +185,9 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:
             raise self._failed(step, e) from None
+        if jax.process_index() == 0:  # said once known durable: the next poll, save, restore or close
+            print(f"saved checkpoint {step} ({time.perf_counter() - self._save_started:.1f} s, "
+                  f"{self.directory / str(step)})", flush=True)
         self._prune()
 
     def _failed(self, step: int, e: BaseException) -> SaveError:

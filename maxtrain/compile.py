@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import time
 
 # Compile-only: never try to open real TPU chips (and their lockfile) or the TPU runtime's metadata.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,7 +23,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 from maxtrain import cli_help, config as config_lib, errors, mesh as mesh_lib, metrics, platform_defaults  # noqa: E402
-from maxtrain import fit, step as step_lib, summary  # noqa: E402
+from maxtrain import fit, progress, step as step_lib, summary  # noqa: E402
 
 # HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
 CHIPS = {"v4": (32.0, 2, 3), "v5p": (95.0, 2, 3), "v5e": (16.0, 1, 2), "v6e": (32.0, 1, 2)}
@@ -97,11 +98,19 @@ def compile_for(c_static: config_lib.Config) -> int:
         print(f"does not fit: the train step needs at least {sum(floor.values()) / fit.GiB:.2f} GiB per device for "
               f"its activations ({parts}), more than {hbm:.1f} GiB HBM; {advice}", file=sys.stderr)
         return 1
-    print(f"compiling the train step for {c.compile_topology} ({len(devices)} devices)...", flush=True)
-    trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+    t0 = time.perf_counter()
+    print(f"building the model and its shardings for {c.compile_topology} ({len(devices)} devices)", flush=True)
+    with progress.heartbeat("building the model"):
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     try:
         with mesh_lib.activate(trainer.mesh, trainer.rules):
-            compiled = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch()).compile()
+            print("lowering the train step (tracing it to XLA)", flush=True)
+            with progress.heartbeat("lowering the train step"):
+                lowered = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch())
+            t_lowered = time.perf_counter()
+            print(f"compiling the train step for {c.compile_topology} (lowered in {t_lowered - t0:.1f} s)", flush=True)
+            with progress.heartbeat(f"compiling the train step for {c.compile_topology}"):
+                compiled = lowered.compile()
     except Exception as e:  # the TPU compiler itself refuses programs far over HBM
         message = str(e)
         if "Ran out of memory" not in message and "RESOURCE_EXHAUSTED" not in message:
@@ -109,6 +118,7 @@ def compile_for(c_static: config_lib.Config) -> int:
         detail = message[message.find("the total memory"):].splitlines()[0] if "the total memory" in message else ""
         print(f"does not fit: XLA: {detail or 'out of HBM'}; {advice}", file=sys.stderr)
         return 1
+    print(f"compiled in {time.perf_counter() - t_lowered:.1f} s; reading XLA's memory analysis", flush=True)
     mem = summary.memory_report(compiled)
     flops = metrics.train_flops_per_step(c)
     active = f" ({c.num_active_params / 1e6:,.1f}M active)" if c.num_experts > 1 else ""

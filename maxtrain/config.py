@@ -61,6 +61,10 @@ POSITIVE_INTS = (
     "num_experts", "num_experts_per_tok",
 )
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
+METRICS_BACKENDS = ("tensorboard", "jsonl", "wandb")
+# Keys that were replaced: what to write instead.
+RENAMED = {"enable_tensorboard": "replaced by metrics_backends (default tensorboard,jsonl; metrics_backends=jsonl "
+                                 "writes no tensorboard events)"}
 
 # The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
 # make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
@@ -207,6 +211,8 @@ def _parse_override(arg: str, defaults: Mapping[str, Any]) -> tuple[str, Any]:
 def _check_known(key: str, defaults: Mapping[str, Any]) -> None:
     if key in defaults:
         return
+    if key in RENAMED:
+        raise ConfigError(key, RENAMED[key])
     close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]}?" if close else ""
     raise ConfigError(key, f"unknown key{hint}")
@@ -331,6 +337,13 @@ def _validate(c: dict[str, Any]) -> None:
                 "shared_experts", "first_num_dense_layers"):
         if c[key] < 0:
             raise ConfigError(key, "must be >= 0")
+    backends = [b.strip() for b in c["metrics_backends"].split(",") if b.strip()]
+    for b in backends:
+        if b not in METRICS_BACKENDS:
+            raise ConfigError("metrics_backends", f"{b!r} is not one of {', '.join(METRICS_BACKENDS)}")
+        if backends.count(b) > 1:
+            raise ConfigError("metrics_backends", f"{b!r} is named twice")
+    c["metrics_backends"] = ",".join(backends)
     if c["scan_unroll"] == 0 or c["scan_unroll"] < -1:
         raise ConfigError("scan_unroll", "must be positive or -1 (auto)")
     for key in ("loss_chunk_size", "mlp_chunk_size"):

@@ -1,28 +1,25 @@
-"""FLOPs accounting, MFU, and the metrics writers (stdout line, metrics.jsonl, tensorboardX)."""
+"""FLOPs accounting, MFU against a peak that cannot be exceeded, and the stdout line (metric_writers.py
+writes the files)."""
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import socket
-import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain import storage
+from maxtrain import progress
 from maxtrain.config import Config
-from maxtrain.errors import RunError
 
-# Dense bf16 peak TFLOP/s per chip, matched by substring of jax's device_kind (most specific first).
+# Dense (not 2:4 sparse) bf16 peak TFLOP/s per device, matched by substring of jax's device_kind, most specific
+# first. jax names a v5e "TPU v5 lite", a v6e "TPU v6 lite", a v5p "TPU v5"; an H100 SXM "NVIDIA H100 80GB HBM3".
 PEAK_TFLOPS = (
     ("TPU v6 lite", 918.0), ("TPU v6e", 918.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
     ("TPU v5p", 459.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0),
-    ("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L4", 121.0),
+    ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
+    ("H100", 989.0), ("A100", 312.0), ("L4", 121.0),
 )
 
 
@@ -47,8 +44,10 @@ def train_flops_per_step(c: Config) -> float:
     return 3.0 * forward_flops(c, c.global_batch_size * c.max_target_length)
 
 
-def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:
-    """Best matmul rate (float32 by default) of one device, a stand-in for a CPU's peak."""
+def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5, dtype=jnp.float32, probes: int = 3) -> float:
+    """Best matmul rate (float32 by default) of one device over `probes` rounds of `repeats` matmuls, a
+    stand-in for a CPU's peak: the best of several, as a single round taken while the machine is busy
+    reads low."""
     # On one device whatever mesh is active: under the run's mesh the matmul would be replicated over
     # every device, and the probe would time all of them doing the same work.
     with jax.set_mesh(jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("probe",))):
@@ -56,188 +55,82 @@ def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5, dtype=jnp.float3
         matmul = jax.jit(lambda x, y: x @ y)
         matmul(a, a).block_until_ready()
         best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            matmul(a, a).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
+        for probe in range(probes):
+            if probe:
+                time.sleep(0.05)  # a moment for whatever else runs to yield the cores
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                matmul(a, a).block_until_ready()
+                best = min(best, time.perf_counter() - t0)
     return 2 * size**3 / best / 1e12
 
 
-def peak_tflops_per_device(c: Config) -> float:
+CPU_PROBES = 3
+
+
+@dataclass
+class Peak:
+    """The MFU denominator, per device, and where it came from: `config` (peak_tflops_per_device), `nominal`
+    (the table, for device kind `kind`) or `measured` (CPU matmul probes)."""
+    tflops: float
+    source: str
+    kind: str = ""
+    raised: bool = False
+
+    def describe(self) -> str:
+        if self.source == "config":
+            return f"MFU against peak_tflops_per_device={self.tflops:g} TFLOP/s"
+        if self.source == "nominal":
+            return f"MFU against the nominal dense bf16 peak of {self.kind}: {self.tflops:g} TFLOP/s per device"
+        shared = f", shared by {jax.local_device_count()} devices" if jax.local_device_count() > 1 else ""
+        return (f"MFU against a measured CPU peak of {self.tflops:.3f} TFLOP/s per device (best of {CPU_PROBES} "
+                f"matmul probes{shared}; peak_tflops_per_device=X sets it)")
+
+    def mfu(self, tflops: float) -> tuple[float, str | None]:
+        """The fraction of peak, at most 1: a rate above the peak becomes the peak (a probe taken while the
+        machine was busy, a wrong peak_tflops_per_device), said once."""
+        if tflops <= self.tflops:
+            return tflops / self.tflops, None
+        note = None if self.raised else (
+            f"note: the step ran at {tflops:.3f} TFLOP/s per device, above the {self.source} peak of "
+            f"{self.tflops:.3f}: MFU is reported against the highest rate seen from now on")
+        self.tflops, self.raised = tflops, True
+        return 1.0, note
+
+
+def nominal_peak(device_kind: str) -> float | None:
+    return next((peak for name, peak in PEAK_TFLOPS if name in device_kind), None)
+
+
+def peak_tflops_per_device(c: Config) -> Peak:
     if c.peak_tflops_per_device > 0:
-        return c.peak_tflops_per_device
-    device = jax.devices()[0]
-    for name, peak in PEAK_TFLOPS:
-        if name in device.device_kind:
-            return peak
+        return Peak(c.peak_tflops_per_device, "config")
+    kind = jax.devices()[0].device_kind
+    if nominal_peak(kind):
+        return Peak(nominal_peak(kind), "nominal", kind)
     # Fake CPU devices share the same cores, so each gets an equal part of the measured rate.
-    return measure_cpu_peak_tflops() / jax.local_device_count()
+    return Peak(measure_cpu_peak_tflops(probes=CPU_PROBES) / jax.local_device_count(), "measured", kind)
 
 
-def _import_tensorboardx():
-    """tensorboardX, without the `import torch` it tries at import time (2 s, to accept torch tensors).
-
-    We only log Python floats. `torch` is hidden only while tensorboardX loads; later imports are normal.
-    """
-    hide = "torch" not in sys.modules
-    if hide:
-        sys.modules["torch"] = None  # a None entry makes `import torch` raise ImportError
-    try:
-        import tensorboardX
-    finally:
-        if hide:
-            del sys.modules["torch"]
-    return tensorboardX
-
-
-class MetricsError(RunError):
-    """Metrics that cannot be written (a full or read-only disk): the run stops with one line, exit code 1."""
-    kind = "metrics"
-
-
-def _os_error(e: OSError) -> str:
-    return f"{e.strerror} [errno {e.errno}]" if e.strerror else f"{type(e).__name__}: {e}"
-
-
-class _EventFile:
-    """A tensorboard event file written in the calling thread, through tensorboardX's own record writer.
-
-    tensorboardX's SummaryWriter writes from a thread of its own: when a write fails (a full disk) that
-    thread dies with a traceback and the next writes block on its full queue, holding the run forever.
-    Here a failed write raises where the loop can report it.
-    """
-
-    def __init__(self, logdir: Path, purge_step: int):
-        tbx = _import_tensorboardx()
-        from tensorboardX.proto import event_pb2
-        from tensorboardX.record_writer import RecordWriter
-        self._pb, self._summary = event_pb2, tbx.summary
-        logdir.mkdir(parents=True, exist_ok=True)
-        stem, n = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}", 0
-        self.path = logdir / stem
-        while self.path.exists():  # a writer made again within the second (a rollback) must not truncate it
-            n += 1
-            self.path = logdir / f"{stem}.{n}"
-        if storage.is_url(self.path):  # tensorboardX's gs:// writer needs google-cloud-storage: write through epath
-            self._records = RecordWriter.__new__(RecordWriter)
-            self._records._writer = storage.AppendedObject(self.path)
-        else:
-            self._records = RecordWriter(str(self.path))
-        self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
-        # tensorboard hides the events of steps >= purge_step that earlier files hold (a resumed run's repeats)
-        self._add(event_pb2.Event(wall_time=time.time(), step=purge_step,
-                                  session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-        self.flush()
-
-    def _add(self, event) -> None:
-        self._records.write(event.SerializeToString())
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self._add(self._pb.Event(wall_time=time.time(), step=step, summary=self._summary.scalar(tag, value)))
-
-    def flush(self) -> None:
-        self._records._writer.flush()  # no fsync per log line (RecordWriter.flush's): close() syncs
-
-
-    def close(self) -> None:
-        self._records.flush()
-        self._records.close()
-
-
-class MetricsWriter:
-    """One line to stdout per log, JSONL and tensorboard events under the run directory (process 0 only).
-
-    `start_step`: the step the run starts from. What an earlier attempt logged after it (it ran past
-    its last checkpoint before it was killed) is dropped, so a resumed run's logs hold each step once.
-    Every write happens in the caller's thread and a failed one is a MetricsError naming the file.
-    """
-
-    def __init__(self, run_dir: Path, enable_tensorboard: bool, start_step: int = 0):
-        self.active = jax.process_index() == 0
-        self._jsonl = self._tb = None
-        if not self.active:
-            return
-        path = self._at = run_dir / "metrics.jsonl"  # the file being written, for the error
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            _drop_steps_after(path, start_step)
-            self._jsonl = storage.open_append(path)
-            if enable_tensorboard:
-                self._at = run_dir / "tensorboard"
-                self._tb = _EventFile(run_dir / "tensorboard", purge_step=start_step + 1)
-        except OSError as e:
-            self._abandon()
-            raise MetricsError(f"cannot write {self._at}: {_os_error(e)}") from None
-
-    def write(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
-        if not self.active:
-            return
-        # Strict JSON: a non-finite value is written as null (the step's nonfinite flag says why).
-        # expert_load is a list per MoE layer of each expert's share: a list in JSON, a scalar per expert
-        # (expert_load/layer_<i>/expert_<e>) in tensorboard.
-        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
-        row = {f"{prefix}/{k}": finite(v) if not isinstance(v, list) else [[finite(x) for x in layer] for layer in v]
-               for k, v in scalars.items()}
-        try:
-            self._at = self._jsonl.name
-            self._jsonl.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
-            self._jsonl.flush()
-            if self._tb:
-                self._at = self._tb.path
-                for k, v in scalars.items():
-                    values = {k: v} if not isinstance(v, list) else {
-                        f"{k}/layer_{i}/expert_{e}": x for i, layer in enumerate(v) for e, x in enumerate(layer)}
-                    for name, x in values.items():
-                        if math.isfinite(x):  # a gap in the curve; the nonfinite flag is plotted
-                            self._tb.add_scalar(f"{prefix}/{name}", x, step)
-                self._tb.flush()
-        except OSError as e:
-            self._abandon()
-            raise MetricsError(f"step {step}: writing {self._at} failed: {_os_error(e)}") from None
-
-    def close(self) -> None:
-        try:
-            for f in (self._jsonl, self._tb):
-                if f:
-                    self._at = getattr(f, "path", None) or f.name
-                    f.close()
-        except OSError as e:
-            self._abandon()
-            raise MetricsError(f"writing {self._at} failed: {_os_error(e)}") from None
-        self._jsonl = self._tb = None
-
-    def _abandon(self) -> None:
-        """Closes the files after a failed write; the flush that closing tries again would fail as well."""
-        for f in (self._jsonl, self._tb):
-            try:
-                if f:
-                    f.close()
-            except OSError:
-                pass
-        self._jsonl = self._tb = None
-
-
-def _drop_steps_after(path: Path, step: int) -> None:
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-
-    def step_of(line: str) -> float:
-        try:
-            return json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
-            return float("inf")
-
-    kept = [line for line in lines if step_of(line) <= step]
-    if len(kept) < len(lines):
-        storage.write_atomic(path, "".join(kept))  # a kill now leaves the old file or the new one
-
-
-def format_line(step: int, m: dict[str, float]) -> str:
-    return (f"step {step:>6d} | loss {m['loss']:.4f} | lr {m['learning_rate']:.3e} | "
+def format_line(step: int, total: int, m: dict[str, float], eta_seconds: float | None = None) -> str:
+    """The stdout line of a logged step: `step N/M`, the step's figures, and the time left at the recent rate."""
+    mfu = f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""
+    return (f"{step_of(step, total)} | loss {m['loss']:.4f} | lr {m['learning_rate']:.3e} | "
             f"grad_norm {m['grad_norm']:.3f} | {m['step_seconds']:.3f} s/step | "
-            f"{m['tokens_per_second']:,.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev | "
-            f"MFU {100 * m['mfu']:.1f}%" + moe_summary(m) + (" | non-finite: update skipped" if m.get("nonfinite") else ""))
+            f"{m['tokens_per_second']:,.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev{mfu}" + moe_summary(m)
+            + (f" | ETA {progress.duration(eta_seconds)}" if eta_seconds is not None else "")
+            + (" | non-finite: update skipped" if m.get("nonfinite") else ""))
+
+
+def format_eval_line(step: int, total: int, e: dict, seconds: float, eta_seconds: float | None) -> str:
+    return (f"eval {step_of(step, total)} | loss {e['loss']:.4f} | perplexity {e['perplexity']:.3f} | "
+            f"{e['tokens']:,.0f} tokens | {seconds:.1f} s" + (f" | ETA {progress.duration(eta_seconds)}"
+                                                              if eta_seconds is not None else ""))
+
+
+def step_of(step: int, total: int) -> str:
+    """`step  7/20`: the step padded to the total's width, so the lines' columns align."""
+    return f"step {step:>{len(str(total))}d}/{total}"
 
 
 def moe_summary(m: dict) -> str:

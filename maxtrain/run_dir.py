@@ -1,13 +1,15 @@
-"""The run's directory, base_output_directory/run_name: made at start, its config.yml written once the state
-is ready, and removed again when this start made it and failed before its first step."""
+"""The run's directory, base_output_directory/run_name: made at start, its config.yml and starts.jsonl written
+once the state is ready, and removed again when this start made it and failed before its first step."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
+import yaml
 
-from maxtrain import config as config_lib, storage
+from maxtrain import config as config_lib, run_record, storage, yaml_file
 
 
 def make(c: config_lib.Config) -> tuple[Path, bool]:
@@ -24,14 +26,38 @@ def make(c: config_lib.Config) -> tuple[Path, bool]:
     return run_dir, created
 
 
-def write_config(c: config_lib.Config, run_dir: Path) -> None:
-    """Only once the state is initialized or restored: a refused resume leaves the run's config as it was."""
-    if jax.process_index() == 0:
+def write_config(c: config_lib.Config, run_dir: Path, record: dict) -> None:
+    """Only once the state is initialized or restored: a refused resume leaves the run's files as they were.
+    config.yml is the first start's resolved config (it loads again as a config) and stays; every start adds
+    its record (command line, versions, devices, its config) to starts.jsonl, and says how this start's config
+    differs from config.yml's."""
+    if jax.process_index() != 0:
+        return
+    first = run_dir / "config.yml"
+    try:
+        kept = _read_yaml(first)
+        if kept is None:
+            first.write_text(c.to_yaml())
+        f = storage.open_append(run_dir / "starts.jsonl")
         try:
-            (run_dir / "config.yml").write_text(c.to_yaml())
-        except OSError as e:
-            raise config_lib.ConfigError("base_output_directory",
-                                         f"cannot write {run_dir}: {e.strerror or storage.error_text(e)}") from None
+            f.write(json.dumps(record, default=str) + "\n")
+        finally:
+            f.close()
+    except OSError as e:
+        raise config_lib.ConfigError("base_output_directory",
+                                     f"cannot write {run_dir}: {e.strerror or storage.error_text(e)}") from None
+    changed = run_record.differences(kept, c) if kept is not None else ""
+    if changed:
+        print(f"note: this start's config differs from {first} (the first start's): {changed}", flush=True)
+
+
+def _read_yaml(path: Path) -> dict | None:
+    """config.yml's keys; None if there is none (or it is not a mapping: written again)."""
+    try:
+        kept = yaml_file.safe_load(path.read_text()) if path.exists() else None
+    except yaml.YAMLError:
+        return None
+    return kept if isinstance(kept, dict) else None
 
 
 def remove_if_unused(run_dir: Path) -> None:

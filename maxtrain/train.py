@@ -25,7 +25,8 @@ import jax
 
 from maxtrain import config as config_lib, errors
 from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, platform_defaults
-from maxtrain import cli_help, platform_env, profiler as profiler_lib, run_dir as run_dir_lib, run_name as run_name_lib
+from maxtrain import cli_help, metric_writers, platform_env, profiler as profiler_lib, progress
+from maxtrain import run_dir as run_dir_lib, run_name as run_name_lib, run_record
 from maxtrain.interrupts import Preemption
 from maxtrain import step as step_lib, summary
 
@@ -54,14 +55,16 @@ def load_config(argv: list[str], devices=None) -> config_lib.Config:
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
     say(summary.param_table(trainer, c.num_active_params))
-    compiled = trainer.compile_train_step()
+    with progress.heartbeat("compiling the train step"):
+        compiled = trainer.compile_train_step()
     say("train step memory per device:", summary.format_memory(summary.memory_report(compiled)))
 
 
 def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer, batches):
     """Resume this run; else load_full_state_path; else load_parameters_path; else fresh init."""
     if checkpointer is not None:
-        state = checkpointer.restore(trainer.abstract_state, batches)
+        with progress.heartbeat(f"reading the newest checkpoint in {checkpointer.directory}"):
+            state = checkpointer.restore(trainer.abstract_state, batches)
         if state is not None:
             say(f"resumed from {checkpointer.directory}/{int(state.step)}")
             return state
@@ -119,6 +122,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
     for warning in config_lib.no_effect_warnings(c):
         say(f"warning: {warning}")
+    metric_writers.check_installed(c)
     mesh = mesh_lib.make_mesh(c, devices)
     fit.check_activations(c, mesh)  # from the shapes alone: tracing or compiling a step far too large takes minutes
     trainer = step_lib.build(c, mesh)
@@ -135,9 +139,11 @@ def train(c: config_lib.Config, devices=None) -> dict:
     # Read data files and tokenizer before writing anything: bad input fails cleanly.
     batches, make_eval_iterator = data.make_iterators(c, trainer.batch_sharding)
     run_dir, created = run_dir_lib.make(c)
+    say(run_record.start_lines(c, run_dir))
     # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored.
     t_compile, compiler = time.perf_counter(), concurrent.futures.ThreadPoolExecutor(1)
-    compiling = compiler.submit(trainer.compile_train_step)
+    say("compiling the train step (in the background while the state is made)")
+    compiling = compiler.submit(progress.timed, trainer.compile_train_step)
     compiler.shutdown(wait=False)
 
     checkpointer = None
@@ -166,25 +172,34 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
     guard = NonFiniteGuard(c)
     start_data = batches.get_state()  # where a rollback with no checkpoint restarts the data
     with mesh_lib.activate(mesh, trainer.rules):
-        state = initial_state(c, trainer, checkpointer, batches)
-        run_dir_lib.write_config(c, run_dir)
-        writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=int(state.step))
-        train_step = compiling.result()
+        with progress.heartbeat("initializing the state and compiling the train step", since=t_compile) as beat:
+            state = initial_state(c, trainer, checkpointer, batches)
+            t_state = time.perf_counter() - t_compile
+            record = run_record.record(c, run_dir, int(state.step))
+            run_dir_lib.write_config(c, run_dir, record)
+            writer = metric_writers.MetricsWriter(run_dir, metric_writers.backends(c), int(state.step), record)
+            beat.what = "compiling the train step"
+            train_step, compile_seconds = compiling.result()
         fit.check_compiled(train_step, mesh)  # before the first batch is made
         jax.block_until_ready(state)
-        say(f"state ready and train step compiled in {time.perf_counter() - t_compile:.1f} s")
+        say(f"train step compiled in {compile_seconds:.1f} s; state ready in {t_state:.1f} s")
         # Only now: on CPU the MFU denominator is a matmul probe, which beside the compile read a
         # third of the machine's rate.
         peak = metrics_lib.peak_tflops_per_device(c)
+        say(peak.describe())
         stop = Preemption()  # from here a SIGTERM is a step to save at
         profiler = profiler_lib.StepProfiler(c, run_dir)
         preempted = exhausted = False
         t_start = time.perf_counter()
         first_step = int(state.step)
         last_time, last_step = t_start, first_step  # the current step-time window
+        recent_seconds = None  # the last window's time per step, for the ETA
         saved_step = checkpointer.latest_step() if checkpointer is not None else None
         evaluated_step = None
         pending, history, eval_history, rolled_back = None, [], [], False
+
+        def eta(step_done: int) -> float | None:
+            return recent_seconds * (c.steps - step_done) if recent_seconds is not None else None
 
         def last_trusted() -> str:
             return checkpointer.last_trusted() if checkpointer is not None else "checkpointing is off"
@@ -192,7 +207,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
         def read(step_done, device_metrics) -> str | None:
             """Blocks until step `step_done` finished (the next one is already queued); logs it. Returns
             None, or the non-finite policy's action for it ("skip" / "rollback"; "stop" raises)."""
-            nonlocal last_time, last_step
+            nonlocal last_time, last_step, recent_seconds
             m = {k: v.tolist() if v.ndim else float(v) for k, v in jax.device_get(device_metrics).items()}
             bad = m["nonfinite"] > 0
             m["nonfinite_steps"] = guard.count + bad
@@ -207,10 +222,15 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
                 return None
             seconds = (now - last_time) / max(step_done - last_step, 1)
             last_time, last_step = now, step_done
+            if not first:  # the first step's time is mostly compiling and warm-up: no base for an ETA
+                recent_seconds = seconds
             tflops = flops_per_device / seconds / 1e12
+            mfu, note = peak.mfu(tflops)
+            if note:
+                say(note)
             m.update(step_seconds=seconds, tokens_per_second=tokens_per_step / seconds,
-                     tflops_per_device=tflops, mfu=tflops / peak)
-            say(metrics_lib.format_line(step_done, m))
+                     tflops_per_device=tflops, mfu=mfu)
+            say(metrics_lib.format_line(step_done, c.steps, m, eta(step_done)))
             writer.write(step_done, m)
             return guard.on_bad_step(step_done, last_trusted()) if bad else None
 
@@ -219,7 +239,8 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
             nonlocal saved_step, last_time
             t0 = time.perf_counter()
             try:
-                checkpointer.save(step_done, state, batches.get_state())  # the data state is gathered only here
+                with progress.heartbeat(f"saving checkpoint {step_done}"):
+                    checkpointer.save(step_done, state, batches.get_state())  # the data state is gathered only here
             except errors.NonFiniteState as e:
                 say(f"{e}: not saved")
                 return guard.on_bad_step(step_done, last_trusted())
@@ -231,27 +252,27 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
         def run_eval(step_done):
             nonlocal last_time, evaluated_step
             t0 = time.perf_counter()
-            e = evaluate(c, trainer, state.params, make_eval_iterator)
+            with progress.heartbeat(f"evaluating at {metrics_lib.step_of(step_done, c.steps)}"):
+                e = evaluate(c, trainer, state.params, make_eval_iterator)
             last_time += time.perf_counter() - t0  # keep eval out of the step-time window
             evaluated_step = step_done
             eval_history.append(e["loss"])
-            say(f"eval   {step_done:>6d} | loss {e['loss']:.4f} | perplexity {e['perplexity']:.3f} | "
-                f"{e['tokens']:,.0f} tokens")
+            say(metrics_lib.format_eval_line(step_done, c.steps, e, time.perf_counter() - t0, eta(step_done)))
             writer.write(step_done, e, prefix="eval")
 
         def rollback(bad_step: int):
             """The newest checkpoint (or the start), then past the batches from it up to `bad_step`."""
-            nonlocal state, writer, last_time, last_step, rolled_back
+            nonlocal state, last_time, last_step, rolled_back
             state = None  # free it before the restore allocates another
-            restored = checkpointer.restore(trainer.abstract_state, batches) if checkpointer is not None else None
+            with progress.heartbeat(f"restoring the newest checkpoint for the rollback from step {bad_step}"):
+                restored = checkpointer.restore(trainer.abstract_state, batches) if checkpointer is not None else None
             if restored is None:
                 batches.set_state(start_data)
                 restored = initial_state(c, trainer, None, batches)
             good = int(restored.step)
             batches.skip(bad_step - good)
             del history[max(good - first_step, 0):]  # a rollback can reach before this run's start
-            writer.close()
-            writer = metrics_lib.MetricsWriter(run_dir, c.enable_tensorboard, start_step=good)
+            writer.rewind(good)
             say(f"rollback: step {bad_step} was not finite ({guard.count} of max_nonfinite_steps="
                 f"{guard.limit}); back at step {good}, skipping the {bad_step - good} batches after it")
             last_time, last_step, rolled_back = time.perf_counter(), good, True
@@ -306,7 +327,8 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
             if make_eval_iterator and c.eval_interval and evaluated_step != last:
                 run_eval(last)
     if checkpointer is not None:
-        checkpointer.close()  # waits until every pending save is durable
+        with progress.heartbeat("waiting for the last checkpoint to be written"):
+            checkpointer.close()  # waits until every pending save is durable
     stop.restore()  # only now: a second SIGTERM during the final save must not cut it short
     writer.close()
     skipped = f" ({guard.count} non-finite steps skipped)" if guard.count and c.nan_policy == "skip" else ""

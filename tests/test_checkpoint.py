@@ -52,13 +52,14 @@ def test_exact_resume_with_the_text_pipeline(train_tiny):
 def test_a_resumed_run_logs_each_step_once(train_tiny, tmp_path):
     # Checkpoints at 3 and 5; without the one at 5 (as if killed before it), a rerun resumes from 3
     # and logs 4 and 5 again: the first attempt's lines for them must go.
-    train_tiny(*CKPT, "run_name=again", "steps=5", "checkpoint_period=3", "enable_tensorboard=true")
+    train_tiny(*CKPT, "run_name=again", "steps=5", "checkpoint_period=3", "metrics_backends=jsonl,tensorboard")
     shutil.rmtree(tmp_path / "again" / "checkpoints" / "5")
     with open(tmp_path / "again" / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "train/lo')  # and a line cut short by the kill
-    train_tiny(*CKPT, "run_name=again", "steps=6", "checkpoint_period=3", "enable_tensorboard=true")
+    train_tiny(*CKPT, "run_name=again", "steps=6", "checkpoint_period=3", "metrics_backends=jsonl,tensorboard")
     rows = [json.loads(x) for x in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "start" not in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "start" in r] == [0, 3]  # each start's record, the resume's at its step
 
 
 def test_the_end_of_the_data_is_saved_and_evaluated(train_tiny, tmp_path):
@@ -135,7 +136,7 @@ def wait_for_line(proc, text, timeout=120):
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
     proc = cli("steps=100000", "checkpoint_period=100000", "log_period=1", out=tmp_path)
-    wait_for_line(proc, "step      3 |")
+    wait_for_line(proc, "step      3/100000 |")
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc)
     assert code == 0, err[-2000:]
@@ -144,7 +145,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
     assert "checkpoint saved" in line and (tmp_path / "tiny" / "checkpoints" / str(step) / "state").is_dir()
     code, out, err = finish(cli(f"steps={step + 2}", "log_period=1", out=tmp_path))
     assert code == 0, err[-2000:]
-    assert f"resumed from {tmp_path}/tiny/checkpoints/{step}" in out and f"step {step + 2:>6d} |" in out
+    assert f"resumed from {tmp_path}/tiny/checkpoints/{step}" in out and f"step {step + 2}/{step + 2} |" in out
 
 
 @pytest.mark.slow

@@ -170,7 +170,7 @@ def test_finetune_from_imported_checkpoint_on_shakespeare(tmp_path, hf_tokenizer
     c = train.load_config([str(tmp_path / "mt" / "maxtrain.yml"), "dataset_type=text", f"train_files={SHAKESPEARE}",
                            "max_target_length=64", "per_device_batch_size=1", "steps=30", "learning_rate=3e-3",
                            "warmup_steps_fraction=0", f"base_output_directory={tmp_path}", "log_period=10",
-                           "checkpoint_period=30", "enable_tensorboard=false"], devices)
+                           "checkpoint_period=30", "metrics_backends=jsonl"], devices)
     losses = np.asarray(train.train(c, devices)["losses"])
     assert len(losses) == 30 and np.isfinite(losses).all()
     assert losses[:3].mean() > 6.0  # starts near ln(600) = 6.4: an untrained model, as imported

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxtrain import metrics
+from maxtrain import metric_writers, metrics
 from maxtrain.model import Decoder, ModelArgs
 
 
@@ -35,13 +35,13 @@ def test_train_flops_are_three_forwards(tiny_config):
 
 
 def test_peak_from_config_or_probe(tiny_config):
-    assert metrics.peak_tflops_per_device(tiny_config("peak_tflops_per_device=123.0")) == 123.0
+    assert metrics.peak_tflops_per_device(tiny_config("peak_tflops_per_device=123.0")).tflops == 123.0
     probe = metrics.measure_cpu_peak_tflops(size=256, repeats=2)
     assert 1e-4 < probe < 100
 
 
 def test_writer_writes_jsonl_and_tensorboard(tmp_path):
-    w = metrics.MetricsWriter(tmp_path / "run", enable_tensorboard=True)
+    w = metric_writers.MetricsWriter(tmp_path / "run", ("tensorboard", "jsonl"))
     w.write(1, {"loss": 2.5})
     w.write(2, {"loss": 2.0})
     w.close()
@@ -52,8 +52,8 @@ def test_writer_writes_jsonl_and_tensorboard(tmp_path):
 
 def test_tensorboard_writer_does_not_import_torch(tmp_path):
     # tensorboardX tries `import torch` at import time (2 s); the writer hides it, and only then.
-    code = ("import sys; from pathlib import Path; from maxtrain import metrics; "
-            f"w = metrics.MetricsWriter(Path({str(tmp_path)!r}), enable_tensorboard=True); w.write(1, {{'loss': 1.0}}); "
+    code = ("import sys; from pathlib import Path; from maxtrain import metric_writers; "
+            f"w = metric_writers.MetricsWriter(Path({str(tmp_path)!r}), ('tensorboard', 'jsonl')); w.write(1, {{'loss': 1.0}}); "
             "w.close(); print('torch' in sys.modules); import importlib.util; "
             "print(importlib.util.find_spec('torch') is not None and 'torch' not in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -36,11 +36,13 @@ def test_golden_loss_curve():
 @pytest.mark.slow
 def test_cli_trains_and_writes_metrics(tmp_path):
     proc = run_cli(TINY, "run_name=cli", f"base_output_directory={tmp_path}", "steps=12", "log_period=4",
-                   "enable_tensorboard=true", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+                   "metrics_backends=jsonl,tensorboard", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "MFU" in proc.stdout and "done: 12 steps" in proc.stdout
     run = tmp_path / "cli"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["start"]["config"]["steps"] == 12  # the start's record, then the steps
+    rows = rows[1:]
     assert [r["step"] for r in rows] == [1, 4, 8, 12]  # step 1 (with compile time), then every 4
     assert {"train/loss", "train/mfu", "train/tokens_per_second", "train/grad_norm"} <= set(rows[0])
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
@@ -116,7 +118,8 @@ def test_readme_quickstart_commands(tmp_path):
     proc = run_cli("configs/base.yml", "run_name=demo", "steps=20", f"base_output_directory={tmp_path}",
                    devices=1)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    losses = [json.loads(x)["train/loss"] for x in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "start" not in r]
     assert losses[-1] < losses[0]
 
 
