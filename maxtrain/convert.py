@@ -34,7 +34,7 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import config as config_lib, digest as digest_lib, errors
+from maxtrain import config as config_lib, digest as digest_lib, errors, export_tokenizer
 from maxtrain.hf_format import (FUSED_EXPERTS_NAME, HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for,
                                 hf_kind, hf_names, model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
 from maxtrain.model import ModelArgs
@@ -267,6 +267,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
     hf_kind(m)  # refuses what no supported HF model expresses
     source_dir = Path(hf_source) if hf_source else find_hf_source(ckpt.step_dir)
     source = read_json(source_dir / "config.json") if source_dir else None
+    run = None if source_dir else export_tokenizer.run_settings(ckpt.step_dir)  # a model trained from scratch
     if source:
         theirs = model_keys_from_hf(source)
         # The balancing loss weight is a training setting: the checkpoint's goes out as router_aux_loss_coef.
@@ -319,8 +320,10 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
         _name_shards(tmp, shard_names)
         for name in HF_SIDE_FILES[1:]:  # tokenizer and generation settings; config.json is written below
             if source_dir and (source_dir / name).is_file():
-                shutil.copy(source_dir / name, tmp / name)
-        hf = hf_config_for(m, dtype, source, max_positions)
+                shutil.copyfile(source_dir / name, tmp / name)  # not the source's modes: see staging
+        from_run = export_tokenizer.write(run, tmp) if run else {}
+        hf = hf_config_for(m, dtype, source, max_positions or from_run.pop("max_position_embeddings", None))
+        hf |= from_run  # the run's special token ids
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out_path
 
@@ -359,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=config_lib.DTYPES, help="default: the checkpoint's parameter dtype")
     exp.add_argument("--hf_source", help="HF directory whose other settings and tokenizer files to carry over "
                      "(default: found from an imported checkpoint or a run that started from one)")
-    exp.add_argument("--max_position_embeddings", type=int, help="default: the HF source's, else 4096")
+    exp.add_argument("--max_position_embeddings", type=int, help="default: the HF source's, else the run's "
+                     "max_target_length (else 4096)")
     exp.add_argument("--max_shard_mb", type=int, default=2048, help="safetensors file size limit")
     args = parser.parse_args(argv)
 
