@@ -55,7 +55,7 @@ def write(s: dict[str, Any], out: Path) -> dict[str, Any]:
     settings: dict[str, Any] = {}  # tokenizer_config.json's, beyond the special tokens
     if s["tokenizer_type"] == "sentencepiece":
         import sentencepiece
-        shutil.copyfile(s["tokenizer_path"], out / "tokenizer.model")  # copyfile: this process's modes, not the source's
+        shutil.copyfile(s["tokenizer_path"], out / "tokenizer.model")  # not the source's modes: see staging
         sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
         piece = {i: sp.IdToPiece(i) if i >= 0 else None for i in (sp.bos_id(), sp.eos_id(), sp.unk_id())}
         tokens = {"bos_token": piece[sp.bos_id()], "eos_token": piece[sp.eos_id()], "unk_token": piece[sp.unk_id()]}

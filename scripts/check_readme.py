@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -159,7 +160,9 @@ def make_hf_model(where: Path) -> None:
 
 
 def environment(bin_dir: Path) -> dict[str, str]:
-    (bin_dir / "python").symlink_to(sys.executable)
+    # A script, not a symlink: a venv's python called through a link elsewhere loses its venv.
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in CLEARED and not k.startswith("MAXTRAIN_")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     return env
@@ -188,7 +191,7 @@ def check(steps: list[Step], cwd: Path, env: dict[str, str], timeout: float, say
                                   timeout=timeout)
             code, out = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            code, out = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+            code, out = "timeout", b"".join(x or b"" for x in (e.stdout, e.stderr)).decode(errors="replace")
         seconds = time.perf_counter() - t0
         printed += out.splitlines()
         wanted = 2 if any(re.match(r"^[a-z]+ error: ", x) for x in step.expect) else 0

@@ -39,7 +39,8 @@ def venv_with_wheel(path, wheel) -> str:
     # itself (`python -m pytest` puts it first) and PYTHONPATH; the new venv's stdlib is the same one.
     skip = {os.path.realpath(x) for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x}
     skip |= {os.path.realpath(theirs), os.path.realpath(TESTS.parent)}
-    lines = dict.fromkeys(x for x in map(os.path.realpath, filter(None, sys.path)) if os.path.isdir(x) and x not in skip)
+    paths = map(os.path.realpath, filter(None, sys.path))
+    lines = dict.fromkeys(x for x in paths if os.path.isdir(x) and x not in skip)
     with open(os.path.join(theirs, "this_environment.pth"), "w") as f:
         f.write("".join(f"{p}\n" for p in lines))
     return python
