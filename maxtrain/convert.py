@@ -35,7 +35,7 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain import checkpoint as ckpt_lib
-from maxtrain import cli_help, config as config_lib, digest as digest_lib, errors, platform_env, storage
+from maxtrain import cli_help, config as config_lib, digest as digest_lib, errors, export_tokenizer, platform_env, storage
 from maxtrain.hf_format import (FUSED_EXPERTS_NAME, HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for,
                                 hf_kind, hf_names, model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
 from maxtrain.model import ModelArgs
@@ -277,6 +277,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
     hf_kind(m)  # refuses what no supported HF model expresses
     source_dir = storage.path(hf_source, "--hf_source") if hf_source else find_hf_source(ckpt.step_dir)
     source = read_json(source_dir / "config.json") if source_dir else None
+    run = None if source_dir else export_tokenizer.run_settings(ckpt.step_dir)  # a model trained from scratch
     if source:
         theirs = model_keys_from_hf(source)
         # The balancing loss weight is a training setting: the checkpoint's goes out as router_aux_loss_coef.
@@ -329,8 +330,10 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
         _name_shards(tmp, shard_names)
         for name in HF_SIDE_FILES[1:]:  # tokenizer and generation settings; config.json is written below
             if source_dir and (source_dir / name).is_file():
-                (tmp / name).write_bytes((source_dir / name).read_bytes())
-        hf = hf_config_for(m, dtype, source, max_positions)
+                (tmp / name).write_bytes((source_dir / name).read_bytes())  # new files: the umask's modes
+        from_run = export_tokenizer.write(run, tmp) if run else {}
+        hf = hf_config_for(m, dtype, source, max_positions or from_run.pop("max_position_embeddings", None))
+        hf |= from_run  # the run's special token ids
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out_path
 
@@ -371,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=config_lib.DTYPES, help="default: the checkpoint's parameter dtype")
     exp.add_argument("--hf_source", help="HF directory whose other settings and tokenizer files to carry over "
                      "(default: found from an imported checkpoint or a run that started from one)")
-    exp.add_argument("--max_position_embeddings", type=int, help="default: the HF source's, else 4096")
+    exp.add_argument("--max_position_embeddings", type=int, help="default: the HF source's, else the run's "
+                     "max_target_length (else 4096)")
     exp.add_argument("--max_shard_mb", type=int, default=2048, help="safetensors file size limit")
     args = parser.parse_args(argv)
     platform_env.quiet_without_accelerators()

@@ -5,6 +5,7 @@ the output is written into a local temporary directory and uploaded when complet
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -63,6 +64,7 @@ def staged(out_path: Path, keep: bool = True):
     try:
         yield tmp
         if keep:
+            _honour_umask(tmp)
             if out_path.exists():
                 out_path.rmdir()  # empty (checked before)
             tmp.rename(out_path)
@@ -94,6 +96,26 @@ def _staged_upload(out_path, keep: bool):
         raise unwritable(out_path, e) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    try:  # Linux states it; os.umask can only read it by setting it, for every thread at once
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def _honour_umask(root: Path) -> None:
+    """The modes a plain mkdir and open would have given: mkdtemp makes the directory 0700 and safetensors
+    writes its files 0600, so a group that shares the models could not read them."""
+    mask = _umask()
+    for dirpath, _, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
 
 
 def _remove(tmp: Path | None, made: list[Path]) -> None:

@@ -41,7 +41,8 @@ class ByteTokenizer(Tokenizer):
         return (np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + self.OFFSET).tolist()
 
     def decode(self, ids):
-        data = bytes(int(i) - self.OFFSET for i in ids if int(i) >= self.OFFSET)
+        # ids past the 256 bytes (a model's vocabulary larger than this tokenizer's) stand for no text
+        data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
 

@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""Runs the README's commands as a newcomer does, one after another, in a fresh copy of the checkout (its
+tracked files; no outputs/), and checks that each gives what the README shows.
+
+    python scripts/check_readme.py [README.md] [--keep DIR] [--list]
+
+Commands are the lines of the ```bash blocks (a trailing `\\` joins lines; `# ...` comments go), run with
+bash so that `VAR=value` prefixes and `&&` work as typed, with the `python` running this script first on
+PATH and none of the environment's JAX or maxtrain settings. Not run: `pip install` (the environment is
+already installed), the test command itself, usage synopses (CONFIG.yml), and launchers that need a cloud
+project or a cluster (their --dry-run is tests/test_launch.py's). `path/to/hf_model` is made there: a
+small random-weight Llama (transformers); `[--optional args]` are left out.
+
+A block without a language that follows shows output: `$ command` lines are run, and each line after
+them must appear in the command's output as written (a `... error:` line: exit code 2, else 0); a block
+of plain lines (a sample log line) must match, field by field with the numbers left out, some line that
+an earlier command printed. Prints one line per command (status, seconds) and exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SKIP = [  # (pattern, why): parts of a command line that are not run
+    (r"^pip install\b", "installs: the environment is installed already"),
+    (r"\bpytest\b", "the test command itself"),
+    (r"CONFIG\.yml|\[key=value", "usage synopsis"),
+    (r"^scripts/launch_(tpu_pod|gke)\.sh\b", "needs a cloud project (tests/test_launch.py runs its --dry-run)"),
+    (r"^sbatch\b", "needs a SLURM cluster (tests/test_launch.py runs its --dry-run)"),
+]
+HF_MODEL = "path/to/hf_model"
+# Environment settings that would change what a command does compared with a newcomer's shell.
+CLEARED = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass
+class Step:
+    line: int                       # README line where it starts
+    command: str = ""               # bash command line; "" for an output-only sample
+    skip: str = ""                  # why it is not run
+    expect: list[str] = field(default_factory=list)  # lines its output must have ($ blocks)
+    shape: list[str] = field(default_factory=list)   # sample lines some earlier output must match in shape
+
+
+def _strip_comment(line: str) -> str:
+    """`cmd  # comment` -> `cmd` (a # that starts a word, outside quotes)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def _commands(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """(README line, command) from a block's lines: continuations joined, comments and blank lines dropped."""
+    out, current, start = [], "", 0
+    for number, raw in lines:
+        text = _strip_comment(raw) if not current else raw.rstrip()
+        if not current:
+            start = number
+            if not text.strip():
+                continue
+        if text.endswith("\\"):
+            current += text[:-1].rstrip() + " "
+            continue
+        out.append((start, " ".join((current + _strip_comment(text)).split())))
+        current = ""
+    return out
+
+
+def _runnable(command: str) -> tuple[str, str]:
+    """(what to run, why the rest is not): `pip install ... && python ...` runs the second part."""
+    parts, skipped = [], []
+    for part in (p.strip() for p in command.split("&&")):
+        why = next((why for pattern, why in SKIP if re.search(pattern, part)), "")
+        (skipped if why else parts).append(why or part)
+    return " && ".join(parts), "; ".join(skipped)
+
+
+def parse(readme: str) -> list[Step]:
+    steps, fence, block = [], None, []
+    for number, line in enumerate(readme.splitlines(), 1):
+        if fence is None:
+            if line.startswith("```"):
+                fence, block = line[3:].strip(), []
+            continue
+        if not line.startswith("```"):
+            block.append((number, line))
+            continue
+        if fence == "bash":
+            for start, command in _commands(block):
+                run, why = _runnable(command)
+                steps.append(Step(start, run, "" if run else why))
+        elif fence == "" and block:
+            if block[0][1].startswith("$ "):
+                step = None
+                for n, text in block:
+                    if text.startswith("$ "):
+                        step = Step(n, text[2:].strip())
+                        steps.append(step)
+                    elif text.strip() and step is not None:
+                        step.expect.append(text.rstrip())
+            else:
+                steps.append(Step(block[0][0], shape=[t for _, t in block if t.strip()]))
+        fence = None
+    return steps
+
+
+NUMBER = re.compile(r"[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?")
+
+
+def shape(line: str) -> list[str]:
+    """A log line's fields with their numbers left out: `step     20 | loss 6.0966` -> ['step #', 'loss #']."""
+    return [" ".join(NUMBER.sub("#", f).split()) for f in line.split("|")]
+
+
+def fresh_checkout(where: Path) -> Path:
+    """The checkout's tracked (and untracked, not ignored) files, as a fresh clone holds them."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True)
+    files = [f for f in listed.stdout.split("\0") if f] if listed.returncode == 0 else []
+    if not files:  # not a git checkout: what the README's commands use
+        files = [str(p.relative_to(REPO)) for d in ("configs", "data", "scripts", "maxtrain")
+                 for p in (REPO / d).rglob("*") if p.is_file() or p.is_symlink()]
+    for name in files:
+        source, target = REPO / name, where / name
+        if not (source.is_file() or source.is_symlink()):
+            continue  # deleted in the working tree
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        else:
+            shutil.copy2(source, target)
+    return where
+
+
+def make_hf_model(where: Path) -> None:
+    """A small random-weight LlamaForCausalLM in safetensors (what `path/to/hf_model` stands for)."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(where)
+
+
+def environment(bin_dir: Path) -> dict[str, str]:
+    # A script, not a symlink: a venv's python called through a link elsewhere loses its venv.
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED and not k.startswith("MAXTRAIN_")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def check(steps: list[Step], cwd: Path, env: dict[str, str], timeout: float, say=None) -> bool:
+    say = say or (lambda line: print(line, flush=True))
+    ok, printed = True, []
+    for step in steps:
+        where = f"README.md:{step.line}"
+        if step.skip:
+            say(f"skip  {where:15s}        {step.skip}")
+            continue
+        if step.shape:
+            for sample in step.shape:
+                found = any(shape(line) == shape(sample) for line in printed)
+                ok &= found
+                status = "ok   " if found else "FAIL "
+                say(f"{status} {where:15s}        output sample {sample.strip()!r}"
+                    + ("" if found else ": no command printed a line with these fields"))
+            continue
+        command = re.sub(r"\s\[--[^\]]*\]", "", step.command)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+            code, out = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            code, out = "timeout", b"".join(x or b"" for x in (e.stdout, e.stderr)).decode(errors="replace")
+        seconds = time.perf_counter() - t0
+        printed += out.splitlines()
+        wanted = 2 if any(re.match(r"^[a-z]+ error: ", x) for x in step.expect) else 0
+        problems = [] if code == wanted else [f"exit {code}, expected {wanted}"]
+        lines = [x.rstrip() for x in out.splitlines()]
+        problems += [f"no line {x!r}" for x in step.expect if x not in lines]
+        ok &= not problems
+        say(f"{'FAIL ' if problems else 'ok   '} {where:15s} {seconds:6.1f} s {command}")
+        if problems:
+            say("      " + "; ".join(problems))
+            say("      last output: " + " / ".join(lines[-4:])[-1500:])
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("readme", nargs="?", default=str(REPO / "README.md"))
+    parser.add_argument("--keep", help="run in this (new) directory and keep it, instead of a temporary one")
+    parser.add_argument("--list", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
+    args = parser.parse_args(argv)
+    steps = parse(Path(args.readme).read_text())
+    if args.list:
+        for s in steps:
+            print(f"README.md:{s.line}: " + (f"(skip: {s.skip})" if s.skip else s.command or f"sample {s.shape}"))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="readme-") as tmp:
+        work = Path(args.keep) if args.keep else Path(tmp) / "maxtrain"
+        work.mkdir(parents=True)
+        fresh_checkout(work)
+        bin_dir = Path(tmp) / "bin"
+        bin_dir.mkdir()
+        if any(HF_MODEL in s.command for s in steps):
+            make_hf_model(work / HF_MODEL)
+        t0 = time.perf_counter()
+        ok = check(steps, work, environment(bin_dir), args.timeout)
+        print(f"{'all as the README shows' if ok else 'some commands differ from the README'} "
+              f"({time.perf_counter() - t0:.0f} s, in {work})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

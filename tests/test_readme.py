@@ -1,0 +1,90 @@
+"""The README's commands, run as written one after another in a fresh copy of the checkout, give what the
+README shows (scripts/check_readme.py); and that script reads a README as a newcomer would."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TESTS
+
+SCRIPT = TESTS.parent / "scripts" / "check_readme.py"
+spec = importlib.util.spec_from_file_location("check_readme", SCRIPT)
+check_readme = sys.modules["check_readme"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+spec.loader.exec_module(check_readme)
+
+SAMPLE = '''Intro.
+
+```bash
+pip install -e . && python -m maxtrain.train configs/base.yml run_name=demo steps=20
+pip install -e ".[test]" && python -m pytest -q
+```
+
+```bash
+python -m maxtrain.train CONFIG.yml [key=value ...]
+
+# eight devices
+XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+  python -m maxtrain.train configs/base.yml run_name=demo2 \\
+  steps=20   # a comment
+python -m maxtrain.generate x.yml prompt="ROMEO: # not a comment" max_new_tokens=8
+scripts/launch_gke.sh --cluster c -- configs/base.yml
+```
+
+```
+step     20 | loss 6.0966 | 0.117 s/step | MFU 44.0%
+```
+
+```
+$ python -m maxtrain.train configs/base.yml learning_rte=1e-3
+config error: learning_rte: unknown key; did you mean learning_rate?
+```
+
+```python
+print("not a shell command")
+```
+'''
+
+
+def test_the_readme_is_read_as_a_newcomer_types_it():
+    steps = check_readme.parse(SAMPLE)
+    assert [(s.line, s.command, s.skip) for s in steps if not s.shape and not s.expect] == [
+        (4, "python -m maxtrain.train configs/base.yml run_name=demo steps=20", ""),
+        (5, "", "installs: the environment is installed already; the test command itself"),
+        (9, "", "usage synopsis"),
+        (12, "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m maxtrain.train configs/base.yml "
+             "run_name=demo2 steps=20", ""),
+        (15, 'python -m maxtrain.generate x.yml prompt="ROMEO: # not a comment" max_new_tokens=8', ""),
+        (16, "", "needs a cloud project (tests/test_launch.py runs its --dry-run)"),
+    ]
+    sample, shown = [s for s in steps if s.shape or s.expect]
+    assert sample.shape == ["step     20 | loss 6.0966 | 0.117 s/step | MFU 44.0%"]
+    assert (shown.line, shown.command) == (24, "python -m maxtrain.train configs/base.yml learning_rte=1e-3")
+    assert shown.expect == ["config error: learning_rte: unknown key; did you mean learning_rate?"]
+
+
+def test_a_sample_line_matches_by_its_fields_not_its_numbers():
+    shape = check_readme.shape
+    readme = "step     20 | loss 6.0966 | lr 1.068e-04 | 4,387 tok/s | MFU 44.0%"
+    assert shape(readme) == shape("step      3 | loss 5.1 | lr 2.000e-03 | 12 tok/s | MFU 0.1%")
+    assert shape(readme) != shape("step 3/20 | loss 5.1 | lr 2.000e-03 | 12 tok/s | MFU 0.1%")
+    assert shape(readme) != shape("step 20 | loss 6.0966 | lr 1.068e-04 | 4,387 tok/s")
+
+
+def test_a_command_is_judged_by_its_exit_code_and_the_lines_shown(tmp_path):
+    steps = check_readme.parse("```\n$ echo 'config error: x' >&2; exit 2\nconfig error: x\n```\n"
+                               "```bash\nexit 3\n```\n```\nstep 1 | loss 2.0\n```\n")
+    lines = []
+    ok = check_readme.check(steps, tmp_path, {"PATH": "/usr/bin:/bin"}, timeout=30, say=lines.append)
+    assert not ok
+    assert lines[0].startswith("ok    README.md:2 ")
+    assert lines[1].startswith("FAIL  README.md:6 ") and lines[2] == "      exit 3, expected 0"
+    assert lines[-1] == ("FAIL  README.md:9            output sample 'step 1 | loss 2.0': no command printed a "
+                         "line with these fields")
+
+
+@pytest.mark.slow
+def test_the_readmes_commands_give_what_it_shows():
+    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
