@@ -24,7 +24,7 @@ NOT_DEFINING = frozenset({
     "eval_files", "eval_interval", "eval_steps",
     "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
     "nan_policy", "max_nonfinite_steps", "loss_spike_factor",
-    "enable_tensorboard", "peak_tflops_per_device", "profiler", "profiler_start_step", "profiler_steps",
+    "metrics_backends", "peak_tflops_per_device", "profiler", "profiler_start_step", "profiler_steps",
     "compile_topology", "compile_topology_num_slices",
     "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "sampling_seed",
     "distributed_init", "coordinator_address", "num_processes", "process_id", "distributed_heartbeat_timeout_seconds",

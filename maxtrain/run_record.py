@@ -15,13 +15,13 @@ from pathlib import Path
 import jax
 import yaml
 
-from maxtrain import config as config_lib
+from maxtrain import config as config_lib, storage
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def git_revision() -> str | None:
-    """`<commit>` or `<commit> (modified)` when maxtrain runs from a git checkout of itself; None otherwise
+    """`<commit>` or `<commit>-dirty` (as git describe --dirty says it) when maxtrain runs from a git checkout of itself; None otherwise
     (an installed wheel, no git, a package inside some other repository)."""
     def git(*args) -> str:
         return subprocess.run(["git", "-C", str(PACKAGE_DIR), *args], capture_output=True, text=True,
@@ -33,7 +33,7 @@ def git_revision() -> str | None:
         modified = bool(git("status", "--porcelain", "--untracked-files=no").strip())
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
-    return commit[:12] + (" (modified)" if modified else "")
+    return commit[:12] + ("-dirty" if modified else "")
 
 
 def version(package: str) -> str:
@@ -68,7 +68,7 @@ def record(c: config_lib.Config, run_dir: Path, start_step: int | None = None) -
                      "python": platform.python_version()},
         "devices": {"kind": devices[0].device_kind, "platform": devices[0].platform, "count": c.num_devices,
                     "processes": jax.process_count()},
-        "output_directory": str(run_dir.absolute()),
+        "output_directory": str(storage.absolute(run_dir)),
         "config": resolved(c),
     }
 

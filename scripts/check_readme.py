@@ -122,11 +122,14 @@ def parse(readme: str) -> list[Step]:
 
 
 NUMBER = re.compile(r"[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?")
+PATH = re.compile(r"[^\s,()]*/[^\s,()]*")         # where the reader's checkout and outputs are
+REVISION = re.compile(r"\b[0-9a-f]{7,40}(-dirty)?\b")  # a git commit
 
 
 def shape(line: str) -> list[str]:
-    """A log line's fields with their numbers left out: `step     20 | loss 6.0966` -> ['step #', 'loss #']."""
-    return [" ".join(NUMBER.sub("#", f).split()) for f in line.split("|")]
+    """A log line's fields with their numbers, paths and git revisions left out: `step     20 | loss 6.0966`
+    -> ['step #', 'loss #']."""
+    return [" ".join(NUMBER.sub("#", REVISION.sub("#", PATH.sub("PATH", f))).split()) for f in line.split("|")]
 
 
 def fresh_checkout(where: Path) -> Path:

@@ -127,6 +127,8 @@ def wait_for_line(proc, text, timeout=120):
     lines = []
     while time.time() < deadline:
         line = proc.stdout.readline()
+        if not line:  # the process ended without printing it
+            break
         lines.append(line)
         if text in line:
             return lines

@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def test_eval_shares_that_end_at_different_batches(tmp_path, tiny_config):
     proc = launch(tmp_path, "steps=2", "eval_interval=2", "eval_steps=1000", *text, *FSDP8_2P, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("eval ")][0]
-    tokens = float(line.split("|")[-1].split()[0].replace(",", ""))
+    tokens = float(re.search(r"\| ([\d,]+) tokens \|", line).group(1).replace(",", ""))
     c = tiny_config(*text)  # 8 devices: global batch 8, as the two processes' 2 x 4
     docs = data.document_source(c, [str(eval_file)])
     shares = [sum(float(b["weights"].sum()) for b in data.make_dataset(

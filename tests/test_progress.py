@@ -146,8 +146,8 @@ def test_the_git_revision_is_this_checkouts_or_none(tmp_path, monkeypatch):
     revision = run_record.git_revision()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=run_record.PACKAGE_DIR, capture_output=True,
                           text=True).stdout.strip()
-    assert revision is not None and revision.split()[0] == head[:12]
-    assert revision in (head[:12], f"{head[:12]} (modified)")
+    assert revision is not None and revision.removesuffix("-dirty") == head[:12]
+    assert revision in (head[:12], f"{head[:12]}-dirty")
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     monkeypatch.setattr(run_record, "PACKAGE_DIR", tmp_path / "venv" / "maxtrain")  # inside someone else's repo
     (tmp_path / "venv" / "maxtrain").mkdir(parents=True)

@@ -115,12 +115,12 @@ def test_train_sigterm_resume_on_gcs_matches_a_local_run_bitwise(gcs, tmp_path):
     """Outputs on gs://: killed (SIGTERM) mid-run, resumed from the bucket, the final parameters equal a
     straight local run's bit for bit; metrics, trust verdicts, config and tensorboard land in the bucket."""
     args = ("steps=12", "checkpoint_period=2", "log_period=1", "learning_rate_schedule_steps=12",
-            "enable_tensorboard=true", "max_num_checkpoints_to_keep=2")
+            "metrics_backends=tensorboard,jsonl", "max_num_checkpoints_to_keep=2")
     code, _, err = finish(cli(*args, out=tmp_path))
     assert code == 0, err[-2000:]
     runs = f"{gcs}/runs"
     proc = cli(*args, out=runs)
-    wait_for_line(proc, "step      3 |")
+    wait_for_line(proc, "step  3/12 |")
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc)
     assert code == 0, err[-2000:]
@@ -159,7 +159,7 @@ def test_data_from_gcs_and_export_to_gcs(gcs, tmp_path, capsys):
                                 f"train_files={gcs}/data/train/*.txt", f"eval_files={gcs}/data/eval.txt",
                                 "eval_interval=2", "eval_steps=2", out=runs))
     assert code == 0, err[-2000:]
-    assert "eval        4 | loss" in out
+    assert "eval step 4/4 | loss" in out
     code, _, err = finish(cli("steps=4", "dataset_type=text", "vocab_size=384", f"train_files={gcs}/none/*.txt",
                               out=tmp_path))
     assert (code, one_line(err)) == (2, f"config error: train_files: no file matches '{gcs}/none/*.txt'")
