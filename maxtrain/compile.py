@@ -74,6 +74,10 @@ def topology_desc(name: str, spec: str, num_slices: int):
     """The devices of a TPU topology, described by libtpu (no chips needed); one line if libtpu is
     missing or will not load."""
     from jax.experimental import topologies
+    # libtpu reads the host's TPU type and worker list at load; a machine without chips has neither, and
+    # libtpu prints a screen of start-up errors. Compiling needs only the target's, given here.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", name)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
         return topologies.get_topology_desc(platform="tpu", topology_name=spec, **slice_shape(spec),
                                             num_slices=num_slices)

@@ -23,13 +23,21 @@ class NonFiniteState(RunError):
     """A state that a save refuses: an update overflowed it (the loop applies nan_policy)."""
 
 
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command Ctrl-C ended
+
+
 def exit_code(run: Callable[[], Any]) -> int:
-    """Runs an entry point: a UserError is one line on stderr and its exit code, never a traceback; an int
-    that `run` returns is the exit code."""
+    """Runs an entry point: a UserError is one line on stderr and its exit code, never a traceback; so is a
+    Ctrl-C (what it was writing is removed by its own clean-up on the way out); an int that `run` returns is
+    the exit code."""
     try:
         result = run()
     except UserError as e:
         sys.stdout.flush()
         print(f"{e.kind} error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("interrupted by Ctrl-C", file=sys.stderr, flush=True)
+        return INTERRUPTED
     return result if isinstance(result, int) else 0

@@ -19,7 +19,7 @@ import sys
 import threading
 
 NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
-INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended (errors.INTERRUPTED)
 
 
 class _State:

@@ -303,3 +303,17 @@ def test_ctrl_c_in_a_terminal_stops_every_process_at_one_saved_step(tmp_path):
                            timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resumed from {checkpoints}/{step}" in rerun.stdout and f"done: {step + 2} steps" in rerun.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_other_entry_points_is_one_line(tmp_path):
+    """compile (and generate, convert) end on Ctrl-C with one line and exit 130, not a KeyboardInterrupt trace."""
+    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.compile", str(BASE), "model_name=llama3-8b",
+                             "compile_topology=v5p-128", "per_device_batch_size=4", "max_target_length=8192"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    output = Output(proc)
+    output.wait_for(r"^lowering the train step", timeout=240)  # tracing: Python runs, so Ctrl-C lands at once
+    proc.send_signal(signal.SIGINT)
+    code, lines, err = output.finish(timeout=120)
+    assert code == 130, err[-3000:]
+    assert one_line(err) == "interrupted by Ctrl-C"  # nor libtpu's start-up errors about a host without chips
