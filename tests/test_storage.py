@@ -140,7 +140,8 @@ def test_train_sigterm_resume_on_gcs_matches_a_local_run_bitwise(gcs, tmp_path):
                    f.split("/checkpoints/")[1].split("/")[0].isdigit()}) == [10, 12]  # retention on the bucket
     assert any("/tensorboard/events.out.tfevents." in f for f in files)
     rows = [json.loads(x) for x in storage.path(f"{runs}/tiny/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 13))  # each step once
+    assert [r["step"] for r in rows if "start" not in r] == list(range(1, 13))  # each step once
+    assert [r["step"] for r in rows if "start" in r] == [0, step]  # each start's record
     trust = json.loads(storage.path(f"{runs}/tiny/checkpoints/trust.json").read_text())
     assert 10 in trust["trusted"]
     assert not (TESTS.parent / "gs:").exists()
