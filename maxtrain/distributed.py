@@ -20,6 +20,7 @@ import time
 
 import jax
 
+from maxtrain import errors
 from maxtrain.config import Config
 
 # Environment variables by which the cluster says this is one of several processes.
@@ -152,7 +153,7 @@ def _run_child(c: Config) -> int:
     held.extend(x for _, x in waiting)
     code = child.wait()
     text = b"".join(held).decode(errors="replace")
-    if code in (0, 1, 2, interrupts.INTERRUPTED_EXIT_CODE) and "Terminating process because" not in text:
+    if code in (0, 1, 2, errors.INTERRUPTED) and "Terminating process because" not in text:
         mine = [x for x in held if _ONE_LINE.match(x)]  # a one-line error after the peers' noise
         sys.stderr.buffer.write(b"".join(mine if code and mine else held))
         sys.stderr.flush()

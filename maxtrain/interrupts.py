@@ -18,8 +18,9 @@ import signal
 import sys
 import threading
 
+from maxtrain.errors import INTERRUPTED
+
 NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
-INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended (errors.INTERRUPTED)
 
 
 class _State:
@@ -50,7 +51,7 @@ def on_signal(signum: int) -> None:
     if not STATE.in_loop:
         if signum == signal.SIGTERM:
             _quit(0, "stopped by SIGTERM during start-up, before the first step: nothing to save", sys.stdout)
-        _quit(INTERRUPTED_EXIT_CODE, "interrupted by Ctrl-C during start-up, before the first step: nothing saved",
+        _quit(INTERRUPTED, "interrupted by Ctrl-C during start-up, before the first step: nothing saved",
               sys.stderr)
     if STATE.requested is None:
         STATE.requested = signum
@@ -67,7 +68,7 @@ def on_signal(signum: int) -> None:
         return
     if not STATE.watching:
         raise KeyboardInterrupt
-    _quit(INTERRUPTED_EXIT_CODE, "interrupted by a third Ctrl-C: quit before the save finished; the last complete "
+    _quit(INTERRUPTED, "interrupted by a third Ctrl-C: quit before the save finished; the last complete "
           "checkpoint is kept", sys.stderr)
 
 
