@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import SHAKESPEARE, TESTS, TINY
@@ -191,3 +192,33 @@ def test_generate_reads_a_checkpoint_on_gcs(gcs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     generated = [x for x in proc.stdout.splitlines() if x.startswith("generated ids: ")]
     assert len(generated) == 1 and len(json.loads(generated[0].removeprefix("generated ids: "))) == 4
+
+
+def test_parquet_from_gcs(gcs, tiny_config, tmp_path):
+    """A parquet file on the bucket reads as the same documents as the local file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from maxtrain import data
+    texts = ["first document", "second document", "third"]
+    pq.write_table(pa.table({"body": texts}), tmp_path / "a.parquet")
+    url = f"{gcs}/parquet/a.parquet"
+    storage.path(url).write_bytes((tmp_path / "a.parquet").read_bytes())
+    c = tiny_config("dataset_type=parquet", f"train_files={gcs}/parquet/*.parquet", "text_field=body")
+    docs = data.document_source(c, storage.glob(c.train_files, "train_files"))
+    assert [docs[i] for i in range(len(docs))] == texts
+
+
+@pytest.mark.slow
+def test_hf_import_from_gcs_equals_a_local_import(gcs, tmp_path):
+    """--hf_dir on the bucket: the same parameters, bit for bit, as importing the same files from disk; the
+    written config names the URL it came from."""
+    import jax
+    from test_convert import load_maxtrain, random_hf_model
+    random_hf_model("llama-gqa").save_pretrained(tmp_path / "hf")
+    storage.upload_tree(tmp_path / "hf", storage.path(f"{gcs}/hf_in"))
+    remote = convert.hf_to_maxtrain(f"{gcs}/hf_in", str(tmp_path / "from_gcs"))
+    local = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "from_disk"))
+    assert f"from {gcs}/hf_in" in (remote / "maxtrain.yml").read_text().splitlines()[0]
+    _, _, ours = load_maxtrain(remote / "maxtrain.yml")
+    _, _, theirs = load_maxtrain(local / "maxtrain.yml")
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), ours, theirs))
