@@ -185,8 +185,9 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
         say(f"train step compiled in {compile_seconds:.1f} s; state ready in {t_state:.1f} s")
         # Only now: on CPU the MFU denominator is a matmul probe, which beside the compile read a
         # third of the machine's rate.
-        peak = metrics_lib.peak_tflops_per_device(c)
-        say(peak.describe())
+        peak = metrics_lib.peak_tflops_per_device(c) if int(state.step) < c.steps else None  # a finished run: no probe
+        if peak is not None:
+            say(peak.describe())
         stop = Preemption()  # from here a SIGTERM is a step to save at
         profiler = profiler_lib.StepProfiler(c, run_dir)
         preempted = exhausted = False
