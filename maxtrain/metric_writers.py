@@ -149,8 +149,8 @@ class _WandbRun:
         self._last = step
         self._run.log({k: v for k, v in row.items() if v is not None}, step=step)
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, exit_code: int = 0) -> None:
+        self._run.finish(exit_code=exit_code)  # not 0: W&B marks the run failed
 
 
 class MetricsWriter:
@@ -187,7 +187,7 @@ class MetricsWriter:
                 self._at = self._run_dir / "tensorboard"
                 self._tb = _EventFile(self._run_dir / "tensorboard", purge_step=start_step + 1)
         except OSError as e:
-            self._abandon()
+            self.abandon()
             raise MetricsError(f"cannot write {self._at}: {_os_error(e)}") from None
 
     def rewind(self, step: int) -> None:
@@ -213,7 +213,7 @@ class MetricsWriter:
                 self._tb.add_text("run", "```\n" + text + "```", step)  # markdown: keep the layout
                 self._tb.flush()
         except OSError as e:
-            self._abandon()
+            self.abandon()
             raise MetricsError(f"writing {self._at} failed: {_os_error(e)}") from None
 
     def write(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
@@ -241,7 +241,7 @@ class MetricsWriter:
                     self._tb.add_scalar(name, x, step)
                 self._tb.flush()
         except OSError as e:
-            self._abandon()
+            self.abandon()
             raise MetricsError(f"step {step}: writing {self._at} failed: {_os_error(e)}") from None
         if self._wandb:
             self._wandb.write(step, flat)
@@ -253,7 +253,7 @@ class MetricsWriter:
                     self._at = getattr(f, "path", None) or f.name
                     f.close()
         except OSError as e:
-            self._abandon()
+            self.abandon()
             raise MetricsError(f"writing {self._at} failed: {_os_error(e)}") from None
         self._jsonl = self._tb = None
 
@@ -263,8 +263,9 @@ class MetricsWriter:
             wandb_run, self._wandb = self._wandb, None
             wandb_run.close()
 
-    def _abandon(self) -> None:
-        """Closes the files after a failed write; the flush that closing tries again would fail as well."""
+    def abandon(self) -> None:
+        """Closes the files after a failed write or a failed run, quietly (the flush that closing tries again
+        may fail as well); the W&B run ends marked failed, with what it had logged."""
         for f in (self._jsonl, self._tb):
             try:
                 if f:
@@ -275,8 +276,8 @@ class MetricsWriter:
         if self._wandb:
             wandb_run, self._wandb = self._wandb, None
             try:
-                wandb_run.close()
-            except Exception:  # the run is already stopping for the write that failed
+                wandb_run.close(exit_code=1)
+            except Exception:  # the run is already stopping for the error at hand
                 pass
 
 

@@ -65,9 +65,21 @@ def remove_if_unused(run_dir: Path) -> None:
     unless a step was written to it (metrics or a checkpoint)."""
     if jax.process_index() != 0 or not run_dir.is_dir():
         return
-    metrics = run_dir / "metrics.jsonl"
     checkpoints = run_dir / "checkpoints"
-    if (metrics.exists() and storage.size(metrics)) or (checkpoints.is_dir() and any(
+    if _has_steps(run_dir / "metrics.jsonl") or (checkpoints.is_dir() and any(
             p.name.isdigit() for p in checkpoints.iterdir())):
         return
     storage.rmtree(run_dir)
+
+
+def _has_steps(metrics: Path) -> bool:
+    """Whether metrics.jsonl holds a step's record (a start's own record is written before any step)."""
+    if not metrics.exists():
+        return False
+    for line in metrics.read_text().splitlines():
+        try:
+            if "start" not in json.loads(line):
+                return True
+        except ValueError:  # a line cut short by a kill: a step was being written
+            return True
+    return False

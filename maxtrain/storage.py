@@ -18,6 +18,7 @@ import logging
 import os
 import pathlib
 import shutil
+import time
 from typing import Any, Union
 
 from maxtrain.errors import UserError
@@ -71,7 +72,8 @@ def path(value, key: str = "path") -> AnyPath:
         return pathlib.Path(value)
     check(str(value), key)
     from etils import epath
-    return epath.Path(str(value))
+    text = str(value)
+    return epath.Path(scheme(text) + text[text.index("://"):])  # GS://b/x as gs://b/x: epath knows lower case
 
 
 def absolute(value, key: str = "path") -> AnyPath:
@@ -113,11 +115,12 @@ def glob(pattern: str, key: str) -> list[str]:
     """Sorted matches of a glob (`**` recursive), as strings in the pattern's form (URLs keep their scheme)."""
     s = scheme(pattern)
     if s is None:
-        return sorted(glob_lib.glob(pattern, recursive=True))
+        return sorted(m for m in glob_lib.glob(pattern, recursive=True) if not os.path.isdir(m))
     check(pattern, key)
     import fsspec
     fs = fsspec.filesystem(s)
-    return sorted(f"{s}://{m}" for m in fs.glob(pattern) if not fs.isdir(m))
+    found = fs.glob(pattern, detail=True)  # one listing, with each match's type
+    return sorted(f"{s}://{m}" for m, info in found.items() if info.get("type") != "directory")
 
 
 def error_text(e: BaseException) -> str:
@@ -199,28 +202,34 @@ def download_tree(source: AnyPath, local: pathlib.Path) -> None:
         dest.write_bytes(fs.cat_file(f))
 
 
+UPLOAD_SECONDS = 30.0  # an appended object is written again at most this often (and on close)
+
+
 class AppendedObject:
-    """A file opened for appending on an object store: objects cannot grow, so every flush() writes the
-    object again, its old bytes and the new ones (tensorboardX's own gs:// writer works the same way).
+    """A file opened for appending on an object store: objects cannot grow, so a flush writes the object
+    again, its old bytes and the new ones (tensorboardX's own gs:// writer works the same way). Each log line
+    would upload the whole file, a cost that grows with the run: flush() uploads at most every
+    UPLOAD_SECONDS, close() always (a kill loses at most that much of the log; a resume trims it anyway).
     No fileno(): there is nothing to fsync."""
 
     def __init__(self, p: AnyPath):
         self.path, self.name, self.closed = p, str(p), False
         self._data = bytearray(p.read_bytes() if p.exists() else b"")
-        self._written = len(self._data)
+        self._written, self._uploaded_at = len(self._data), float("-inf")
 
     def write(self, data) -> int:
         self._data += data if isinstance(data, (bytes, bytearray)) else data.encode("utf-8")
         return len(data)
 
-    def flush(self) -> None:
-        if not self.closed and len(self._data) != self._written:
+    def flush(self, now: bool = False) -> None:
+        due = now or time.monotonic() - self._uploaded_at >= UPLOAD_SECONDS
+        if not self.closed and len(self._data) != self._written and due:
             self.path.write_bytes(bytes(self._data))
-            self._written = len(self._data)
+            self._written, self._uploaded_at = len(self._data), time.monotonic()
 
     def close(self) -> None:
         if not self.closed:
-            self.flush()
+            self.flush(now=True)
             self.closed = True
 
 

@@ -146,14 +146,18 @@ def train(c: config_lib.Config, devices=None) -> dict:
     compiling = compiler.submit(progress.timed, trainer.compile_train_step)
     compiler.shutdown(wait=False)
 
-    checkpointer = None
+    checkpointer, undo = None, []  # undo: what the loop set up that a failure must take down again
     try:
         if c.enable_checkpointing:
             # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
             from maxtrain import checkpoint as ckpt_lib
             checkpointer = ckpt_lib.Checkpointer(c)
-        return _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compiling, t_compile)
-    except errors.UserError as e:
+        return _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compiling, t_compile, undo)
+    except BaseException as e:
+        for step_back in reversed(undo):  # signal handlers put back, metric files and the W&B run closed
+            step_back()
+        if not isinstance(e, errors.UserError):
+            raise
         # Stopped for cause or by bad data: let the saves under way finish (they hold good states), then report.
         if checkpointer is not None and not isinstance(e, ckpt_lib.SaveError):
             try:
@@ -165,7 +169,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
         raise
 
 
-def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compiling, t_compile) -> dict:
+def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compiling, t_compile, undo) -> dict:
     mesh = trainer.mesh
     tokens_per_step = c.global_batch_size * c.max_target_length
     flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
@@ -178,6 +182,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
             record = run_record.record(c, run_dir, int(state.step))
             run_dir_lib.write_config(c, run_dir, record)
             writer = metric_writers.MetricsWriter(run_dir, metric_writers.backends(c), int(state.step), record)
+            undo.append(lambda: writer.abandon())  # the writer of the moment: a rollback makes another
             beat.what = "compiling the train step"
             train_step, compile_seconds = compiling.result()
         fit.check_compiled(train_step, mesh)  # before the first batch is made
@@ -189,6 +194,7 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
         if peak is not None:
             say(peak.describe())
         stop = Preemption()  # from here a SIGTERM is a step to save at
+        undo.append(stop.restore)
         profiler = profiler_lib.StepProfiler(c, run_dir)
         preempted = exhausted = False
         t_start = time.perf_counter()

@@ -115,6 +115,7 @@ def test_bad_data_files_name_the_file(capsys, tmp_path):
         code, err = main_in_process([TINY, f"base_output_directory={tmp_path}", "vocab_size=384", *overrides], capsys)
         assert code == 2 and one_line(err).startswith(expected), (overrides, err)
         assert time.perf_counter() - t0 < 60  # no search without end
+        assert not (tmp_path / "tiny").exists(), overrides  # the start's own record does not keep its directory
 
 
 @pytest.mark.slow

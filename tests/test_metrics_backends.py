@@ -107,3 +107,22 @@ def test_wandb_writes_from_process_0_only(tmp_path, monkeypatch):
     w.write(1, {"loss": 1.0})
     w.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_run_closes_its_writers_and_puts_its_signal_handlers_back(tmp_path, monkeypatch, capsys):
+    """A run that stops for cause (a non-finite step under nan_policy=stop) ends its W&B run marked failed with
+    the steps it logged, and leaves the caller's Ctrl-C and SIGTERM handlers as they were."""
+    import signal
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    code, err = main_in_process([TINY, f"base_output_directory={tmp_path}", "run_name=bad", "learning_rate=1e6",
+                                 "nan_policy=stop", "log_period=1", "steps=20", "metrics_backends=jsonl,wandb"], capsys)
+    assert code == 1 and one_line(err).startswith("run error: step "), err
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    logs = list((tmp_path / "bad" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(logs) == 1
+    records = wandb_records(logs[0])
+    logged = [r for r in records if r.WhichOneof("record_type") == "history"]
+    exits = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
+    assert len(logged) >= 1 and exits == [1]

@@ -99,6 +99,28 @@ def test_atomic_write_and_append_on_gcs(gcs):
     assert storage.path(f"{gcs}/unit/log.jsonl").read_text() == "one\ntwo\n"
     assert storage.glob(f"{gcs}/unit/*.json", "k") == [f"{gcs}/unit/trust.json"]
     assert storage.glob(f"{gcs}/**/*.jsonl", "k") == [f"{gcs}/unit/log.jsonl"]
+    # A log line does not upload the whole object each time: the first flush does, then at most every
+    # UPLOAD_SECONDS; close always.
+    log = storage.path(f"{gcs}/unit/often.jsonl")
+    f = storage.open_append(log)
+    f.write("1\n")
+    f.flush()
+    f.write("2\n")
+    f.flush()
+    assert log.read_text() == "1\n"
+    f.close()
+    assert log.read_text() == "1\n2\n"
+    # Directories never match, on a bucket as on disk; an upper-case scheme is the same scheme.
+    storage.path(f"{gcs}/dirs/sub/x.txt").write_text("x")
+    storage.path(f"{gcs}/dirs/y.txt").write_text("y")
+    assert storage.glob(f"{gcs}/dirs/*", "k") == [f"{gcs}/dirs/y.txt"]
+    assert storage.path(f"GS://{BUCKET}/dirs/y.txt").read_text() == "y"
+
+
+def test_a_local_glob_skips_directories(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("a")
+    assert storage.glob(f"{tmp_path}/*", "k") == [f"{tmp_path}/a.txt"]
 
 
 def test_tokenizer_from_gcs(gcs, hf_tokenizer_json, tiny_config):
