@@ -186,8 +186,9 @@ class Checkpointer:
         except Exception as e:
             raise self._failed(step, e) from None
         if jax.process_index() == 0:  # said once known durable: the next poll, save, restore or close
-            print(f"saved checkpoint {step} ({time.perf_counter() - self._save_started:.1f} s, "
-                  f"{self.directory / str(step)})", flush=True)
+            # several processes are not polled (a barrier): this is the next save, its time not the save's
+            took = f"{time.perf_counter() - self._save_started:.1f} s, " if jax.process_count() == 1 else ""
+            print(f"saved checkpoint {step} ({took}{self.directory / str(step)})", flush=True)
         self._prune()
 
     def _failed(self, step: int, e: BaseException) -> SaveError:

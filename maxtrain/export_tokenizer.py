@@ -39,11 +39,24 @@ def run_settings(step_dir: Path) -> dict[str, Any] | None:
     defaults = config_lib.defaults()
     settings = {k: records[-1].get(k, defaults[k]) for k in _KEYS}
     if settings["dataset_type"] != "synthetic" and settings["tokenizer_type"] != "byte":
+        settings["tokenizer_path"] = _from_where_the_run_started(settings["tokenizer_path"], path.parent)
         tokenizer = storage.path(settings["tokenizer_path"] or ".", "tokenizer_path")
         if not tokenizer.is_file():
             raise ConvertError(f"the run's tokenizer_path {settings['tokenizer_path'] or '(empty)'} (in {path}) is not "
                                "a file: export writes the run's tokenizer; give --hf_source DIR to take another's")
     return settings
+
+
+def _from_where_the_run_started(value: str, run_dir) -> str:
+    """A relative local path as the run read it: from the directory its first start ran in (starts.jsonl's
+    cwd), so an export from elsewhere finds the same file."""
+    if not value or storage.is_url(value) or Path(value).is_absolute():
+        return value
+    try:
+        first = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])
+        return str(Path(first["cwd"]) / value)
+    except (OSError, IndexError, KeyError, TypeError, ValueError):  # a run from before starts.jsonl kept cwd
+        return value
 
 
 def write(s: dict[str, Any], out: Path) -> dict[str, Any]:

@@ -7,12 +7,12 @@ line instead of a writer thread dying.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import math
 import os
 import re
+import secrets
 import socket
 import sys
 import time
@@ -114,9 +114,15 @@ class _EventFile:
 
 
 def _wandb_id(run_dir: Path) -> str:
-    """One W&B run per maxtrain run: its name and a hash of its directory, so a resume continues it."""
+    """One W&B run per maxtrain run: an id made at its first start and kept in its directory, so a resume
+    continues that W&B run, and a run started again in a directory deleted since gets a new one."""
+    kept = run_dir / "wandb_id"
+    if kept.exists():
+        return kept.read_text().strip()
     name = re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:48]
-    return f"{name}-{hashlib.sha1(str(run_dir.absolute()).encode()).hexdigest()[:8]}"
+    made = f"{name}-{secrets.token_hex(4)}"
+    kept.write_text(made + "\n")
+    return made
 
 
 class _WandbRun:

@@ -3,6 +3,7 @@ writes the files)."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import numpy as np
 from maxtrain import progress
 from maxtrain.config import Config
 
-# Dense (not 2:4 sparse) bf16 peak TFLOP/s per device, matched by substring of jax's device_kind, most specific
+# Dense (not 2:4 sparse) bf16 peak TFLOP/s per device, matched by words of jax's device_kind, most specific
 # first. jax names a v5e "TPU v5 lite", a v6e "TPU v6 lite", a v5p "TPU v5"; an H100 SXM "NVIDIA H100 80GB HBM3".
 PEAK_TFLOPS = (
     ("TPU v6 lite", 918.0), ("TPU v6e", 918.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
@@ -82,13 +83,17 @@ class Peak:
             return f"MFU against peak_tflops_per_device={self.tflops:g} TFLOP/s"
         if self.source == "nominal":
             return f"MFU against the nominal dense bf16 peak of {self.kind}: {self.tflops:g} TFLOP/s per device"
+        if self.source == "unknown":
+            return f"no MFU: no nominal peak for {self.kind} (peak_tflops_per_device=X sets one)"
         shared = f", shared by {jax.local_device_count()} devices" if jax.local_device_count() > 1 else ""
         return (f"MFU against a measured CPU peak of {self.tflops:.3f} TFLOP/s per device (best of {CPU_PROBES} "
                 f"matmul probes{shared}; peak_tflops_per_device=X sets it)")
 
-    def mfu(self, tflops: float) -> tuple[float, str | None]:
+    def mfu(self, tflops: float) -> tuple[float | None, str | None]:
         """The fraction of peak, at most 1: a rate above the peak becomes the peak (a probe taken while the
-        machine was busy, a wrong peak_tflops_per_device), said once."""
+        machine was busy, a wrong peak_tflops_per_device), said once. None where the peak is unknown."""
+        if self.source == "unknown":
+            return None, None
         if tflops <= self.tflops:
             return tflops / self.tflops, None
         note = None if self.raised else (
@@ -99,15 +104,19 @@ class Peak:
 
 
 def nominal_peak(device_kind: str) -> float | None:
-    return next((peak for name, peak in PEAK_TFLOPS if name in device_kind), None)
+    """Whole words only: "L4" is not the start of "L40S"."""
+    return next((peak for name, peak in PEAK_TFLOPS if re.search(rf"\b{re.escape(name)}\b", device_kind)), None)
 
 
 def peak_tflops_per_device(c: Config) -> Peak:
     if c.peak_tflops_per_device > 0:
         return Peak(c.peak_tflops_per_device, "config")
-    kind = jax.devices()[0].device_kind
+    device = jax.devices()[0]
+    kind = device.device_kind
     if nominal_peak(kind):
         return Peak(nominal_peak(kind), "nominal", kind)
+    if device.platform != "cpu":  # a float32 probe on an accelerator the table lacks says nothing of its peak
+        return Peak(0.0, "unknown", kind)
     # Fake CPU devices share the same cores, so each gets an equal part of the measured rate.
     return Peak(measure_cpu_peak_tflops(probes=CPU_PROBES) / jax.local_device_count(), "measured", kind)
 

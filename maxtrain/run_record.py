@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import shlex
 import subprocess
@@ -63,6 +64,7 @@ def record(c: config_lib.Config, run_dir: Path, start_step: int | None = None) -
         "start_step": start_step,
         "command": command_line(sys.argv),
         "argv": list(sys.argv),
+        "cwd": os.getcwd(),  # where the config's relative paths (data, tokenizer) point from
         "git": git_revision(),
         "versions": {"maxtrain": version("maxtrain"), "jax": jax.__version__, "jaxlib": version("jaxlib"),
                      "python": platform.python_version()},

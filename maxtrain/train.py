@@ -235,8 +235,8 @@ def _loop(c, trainer, batches, make_eval_iterator, run_dir, checkpointer, compil
             mfu, note = peak.mfu(tflops)
             if note:
                 say(note)
-            m.update(step_seconds=seconds, tokens_per_second=tokens_per_step / seconds,
-                     tflops_per_device=tflops, mfu=mfu)
+            m.update(step_seconds=seconds, tokens_per_second=tokens_per_step / seconds, tflops_per_device=tflops,
+                     **({"mfu": mfu} if mfu is not None else {}))
             say(metrics_lib.format_line(step_done, c.steps, m, eta(step_done)))
             writer.write(step_done, m)
             return guard.on_bad_step(step_done, last_trusted()) if bad else None

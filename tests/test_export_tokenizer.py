@@ -116,3 +116,20 @@ def test_a_sentencepiece_run_exports_its_model_file(tmp_path, capsys):
     assert (tok.bos_token, tok.eos_token, tok.bos_token_id, tok.eos_token_id) == ("<s>", "</s>", 1, 2)
     ordinary = "ROMEO: wherefore art thou, Romeo? Hello world."
     assert tok(ordinary).input_ids == as_the_run_encodes(c, ordinary)
+
+
+def test_a_relative_tokenizer_path_is_found_from_another_directory(tmp_path, hf_tokenizer_json, capsys,
+                                                                  monkeypatch):
+    """The run named its tokenizer relative to where it started; the export runs elsewhere and finds it."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "tok.json").write_bytes(Path(hf_tokenizer_json).read_bytes())
+    monkeypatch.chdir(tmp_path / "work")
+    c, step = trained(tmp_path, "rel", "dataset_type=text", f"train_files={SHAKESPEARE}", "vocab_size=640",
+                      "tokenizer_type=huggingface", "tokenizer_path=tok.json", "hf_bos_token=<s>",
+                      "hf_eos_token=</s>")
+    expected = as_the_run_encodes(c, TEXT)
+    monkeypatch.chdir(tmp_path)
+    code, err = export(step, tmp_path / "out", capsys)
+    assert code == 0, err
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tok(TEXT).input_ids == expected

@@ -84,6 +84,8 @@ def test_wandb_offline_holds_the_step_metrics(train_tiny, tmp_path, monkeypatch)
     run = tmp_path / "wb"
     logs = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1, list((run / "wandb").rglob("*"))
+    kept = (run / "wandb_id").read_text().strip()  # made at the first start: a resume continues this W&B run
+    assert kept.startswith("wb-") and logs[0].parent.name.endswith(kept)
     history = {}
     config = None
     for r in wandb_records(logs[0]):

@@ -12,7 +12,7 @@ import jax
 import pytest
 import yaml
 
-from maxtrain import metrics, progress, run_record, step as step_lib, train
+from maxtrain import config, metrics, progress, run_record, step as step_lib, train
 from conftest import TINY
 from test_faults import CKPT, run_cli
 from test_faults_runtime import read_events
@@ -166,7 +166,7 @@ def test_command_line_reads_as_typed():
 @pytest.mark.parametrize("kind, peak", [
     ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5", 459.0), ("TPU v5p", 459.0),
     ("TPU v6 lite", 918.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA B200", 2250.0), ("cpu", None),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA B200", 2250.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", None), ("cpu", None),
 ])
 def test_nominal_peaks_by_device_kind(kind, peak):
     assert metrics.nominal_peak(kind) == peak
@@ -179,6 +179,20 @@ def test_mfu_is_at_most_one_and_a_rate_above_the_peak_raises_it_once():
     assert mfu == 1.0 and note == ("note: the step ran at 3.000 TFLOP/s per device, above the measured peak of "
                                    "2.000: MFU is reported against the highest rate seen from now on")
     assert peak.mfu(2.5) == (2.5 / 3.0, None) and peak.mfu(4.0) == (1.0, None)  # said once
+
+
+def test_an_accelerator_without_a_nominal_peak_reports_no_mfu(monkeypatch):
+    class Unlisted:  # an accelerator the table lacks: a float32 matmul probe would not stand for its peak
+        platform, device_kind = "gpu", "NVIDIA L40S"
+    monkeypatch.setattr(metrics.jax, "devices", lambda: [Unlisted()])
+    monkeypatch.setattr(metrics, "measure_cpu_peak_tflops", lambda **kw: pytest.fail("probed an accelerator"))
+    c = config.load([TINY, "peak_tflops_per_device=0"])
+    peak = metrics.peak_tflops_per_device(c)
+    assert peak.mfu(123.0) == (None, None)
+    assert peak.describe() == "no MFU: no nominal peak for NVIDIA L40S (peak_tflops_per_device=X sets one)"
+    assert "MFU" not in metrics.format_line(5, 10, {"loss": 1.0, "learning_rate": 1e-3, "grad_norm": 1.0,
+                                                    "step_seconds": 0.1, "tokens_per_second": 10.0,
+                                                    "tflops_per_device": 1.0})
 
 
 def test_a_cpu_probe_far_too_low_never_shows_mfu_over_100(train_tiny, tmp_path, monkeypatch, capsys):
