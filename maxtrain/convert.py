@@ -387,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = maxtrain_to_hf(args.checkpoint, args.out, args.dtype, args.max_position_embeddings,
                                  args.max_shard_mb << 20, args.hf_source)
-            print(f"wrote {out} (transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+            # transformers reads local directories (or the Hub): a bucket's copy is downloaded first
+            where = "a local copy of it" if storage.is_url(out) else repr(str(out))
+            print(f"wrote {out} (transformers: AutoModelForCausalLM.from_pretrained({where}))")
     return errors.exit_code(run)
 
 
