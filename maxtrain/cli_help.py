@@ -24,7 +24,7 @@ _SECTION = re.compile(r"^#\s*-{3,}")  # "# ---- run ----": a heading, not a key'
 
 def where_keys_are() -> str:
     return (f"Every key, with its default and meaning, is in {config_lib.BASE_YML};\n"
-            f"python -m maxtrain.train {KEYS_FLAG} [PATTERN] prints the keys whose name contains PATTERN "
+            f"python -m maxtrain.train {KEYS_FLAG} [PATTERN] prints the keys whose name contains PATTERN\n"
             "(or matches a glob like 'eval_*').")
 
 

@@ -359,8 +359,10 @@ def _name_shards(tmp: Path, shard_names: list[list[str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Raw: the epilog's lines are commands to copy; argparse would rewrap them at any hyphen.
     parser = argparse.ArgumentParser(prog="python -m maxtrain.convert", description=__doc__.split("\n\n")[0],
-                                     epilog=f"python -m maxtrain.convert COMMAND --help: that command's options. "
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"python -m maxtrain.convert COMMAND --help: that command's options.\n"
                                             f"{cli_help.where_keys_are()}")
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("hf_to_maxtrain", help="HF directory (config.json + safetensors) -> maxtrain checkpoint")
