@@ -9,21 +9,17 @@ segment ids [B,L], apply causal + same-document masking, and return [B,L,H,K].
 - splash: the Pallas splash-attention kernel (TPU): blockwise, never materializes the scores. On other
   backends it runs in Pallas interpret mode, which is for tests only.
 
-Under context parallelism (the `context` mesh axis splits `length`) every kernel but splash gives way to
-`context_parallel`: all-gathered keys and values, a mask from positions.
+None of them knows the mesh: splash run per shard and context parallelism (every kernel but splash gives
+way to it when the `length` axis is split) are in maxtrain.parallel.context; the plan chooses.
 """
 
 from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
-
-from maxtrain import mesh as mesh_lib
 
 
 # blockwise's queries per block. On CPU 256 and 128 run alike at L = 512 and 64 is slower; fewer blocks
@@ -97,12 +93,12 @@ def blockwise(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
 def _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int):
     """`block` queries at a time, each block against the keys up to its own end (block >= L: all at once)."""
     length = q_BxLxHxK.shape[1]
-    return _attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [  # unrolled: each block sees a different number of keys
+    return attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [  # unrolled: each block sees a different number of keys
         (start, min(start + block, length), causal_document_mask(segment_ids_BxL, start, min(start + block, length)))
         for start in range(0, length, block)])
 
 
-def _attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks):
+def attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks):
     """Each (start, stop, mask [B,1,Q,keys]) of `blocks`: queries start..stop-1 against the first `keys` keys.
 
     q, k and v go head-major once, up front, so each einsum is a plain batched matmul over contiguous
@@ -123,10 +119,10 @@ def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
                                         mask=causal_document_mask(segment_ids_BxL))
 
 
-def _splash_kernel(places, residual_name, heads: int, q_shards: int = 1):
+def splash_kernel(places, residual_name, heads: int, q_shards: int = 1, interpret: bool = False):
     """Splash for queries at `places` of the sequence (len(places) of them) against the whole sequence's
     keys in order, causal; q_shards > 1: the queries split into that many contiguous shards over devices,
-    each against all the keys (context parallelism)."""
+    each against all the keys (context parallelism). `interpret`: Pallas' interpreter, off TPU (tests)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
     length = len(places)
@@ -138,14 +134,7 @@ def _splash_kernel(places, residual_name, heads: int, q_shards: int = 1):
     mask = _placed_causal_mask_type()((length, length), places)
     return splash.make_splash_mha(
         masks.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=q_shards,
-        residual_checkpoint_name=residual_name, interpret=_platform() != "tpu")
-
-
-def _platform() -> str:
-    """The platform the step is traced for: the mesh's devices (TPU ones under an ahead-of-time compile
-    for a topology, from a CPU process), else this process's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
+        residual_checkpoint_name=residual_name, interpret=interpret)
 
 
 @functools.cache
@@ -173,89 +162,21 @@ def _placed_causal_mask_type():
     return PlacedCausalMask
 
 
-def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None, balanced=False):
-    """Under context parallelism each device runs the kernel for its queries against the whole
-    sequence's keys and values, gathered and put back in sequence order (`balanced`: the batch is in
-    zigzag_order, so each device's queries sit at those places)."""
-    b, length, h, k = q_BxLxHxK.shape
-    to_heads_major = lambda x: x.swapaxes(1, 2)  # noqa: E731  [B,L,H,K] <-> [B,H,L,K]
-    args = (to_heads_major(q_BxLxHxK) * k ** -0.5, to_heads_major(k_BxLxNxK), to_heads_major(v_BxLxNxK),
-            segment_ids_BxL)
-    mesh = jax.sharding.get_abstract_mesh()
-    specs = None
-    if not mesh.empty and nn.get_logical_axis_rules():
-        logical = (("batch", "heads", "length", "head_dim"), ("batch", "kv_heads", "length", "head_dim"),
-                   ("batch", "kv_heads", "length", "head_dim"), ("batch", "length"))
-        specs = [PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in logical]
-        if not all(mesh_lib.splits_evenly(axes, x.shape) for axes, x in zip(logical, args)):
-            specs = None  # e.g. the batch-of-1 trace at init, whose attention output is never used
-    shards = mesh_lib.length_shards() if specs else 1
-    places = zigzag_order(length, shards) if balanced and shards > 1 else np.arange(length)
-    kernel = _splash_kernel(places, residual_name, h, shards)
-    if specs is None:
-        return to_heads_major(_run_splash(kernel, *args))
-    length_axes = specs[3][1]
-
-    def local(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ):
-        if shards == 1:
-            return _run_splash(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ)
-        gather = lambda x, axis: jax.lax.all_gather(x, length_axes, axis=axis, tiled=True)  # noqa: E731
-        k_BxNxLxK, v_BxNxLxK, segment_ids_BxL = gather(k_BxNxCxK, 2), gather(v_BxNxCxK, 2), gather(segment_ids_BxQ, 1)
-        if balanced:  # back to sequence order
-            k_BxNxLxK, v_BxNxLxK = _unzigzag(k_BxNxLxK, 2, shards), _unzigzag(v_BxNxLxK, 2, shards)
-            segment_ids_BxL = _unzigzag(segment_ids_BxL, 1, shards)
-        return _run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL)
-
-    # A Pallas kernel is not partitioned by XLA: run it on each shard (batch, heads and queries split);
-    # the kernel's block map travels with it, each device taking its queries' rows.
-    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, PartitionSpec(None, length_axes)))
-    out_BxHxLxK = jax.shard_map(local, in_specs=(kernel_spec, *specs), out_specs=specs[0],
-                                check_vma=False)(kernel, *args)
-    return to_heads_major(out_BxHxLxK)
-
-
-def _run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL=None):
+def run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL=None):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     segment_ids_BxL = segment_ids_BxQ if segment_ids_BxL is None else segment_ids_BxL
     return jax.vmap(kernel)(q_BxHxQxK, k_BxNxLxK, v_BxNxLxK,
                             segment_ids=splash.SegmentIds(q=segment_ids_BxQ, kv=segment_ids_BxL))
 
 
-def _unzigzag(x, axis: int, shards: int):
+def unzigzag(x, axis: int, shards: int):
     """An array laid out in zigzag_order along `axis`, in sequence order: its 2 x shards chunks reordered."""
     chunks = jnp.split(x, 2 * shards, axis=axis)
     return jnp.concatenate([chunks[i] for i in np.argsort(zigzag_order(2 * shards, shards))], axis=axis)
 
 
-KERNELS = {"dot_product": dot_product, "blockwise": blockwise, "jax_nn": jax_nn, "splash": splash}
-
-
-# ---------------------------------------------------------------------------------------------
-# Context parallelism: the sequence's positions split over devices (the `length` logical axis)
-
-
-def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
-    """Each device keeps its queries and gathers the whole sequence's keys and values (the all-gather
-    strategy of MaxText and torchtitan), under shard_map: the attention itself is a device's local
-    computation, as without context parallelism. The causal mask compares positions, not places, so a
-    reordered sequence (zigzag_order) attends exactly as the original. (Left to GSPMD, XLA:CPU ran the
-    partitioned softmax's gradient several times slower.)"""
-    kv_axes, token_axes = ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")
-    logical = (("batch", "length", "heads", "head_dim"), kv_axes, kv_axes, token_axes, token_axes)
-    specs = tuple(PartitionSpec(*nn.logical_to_mesh_axes(axes)) for axes in logical)
-    q_spec, tokens = specs[0], specs[3]
-    args = (q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
-    if not all(mesh_lib.splits_evenly(axes, x.shape) for axes, x in zip(logical, args)):
-        # the batch-of-1 trace at init, whose attention output is never used
-        return _attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [(0, q_BxLxHxK.shape[1], document_mask(
-            positions_BxL, positions_BxL, segment_ids_BxL, segment_ids_BxL))])
-
-    def local(q_BxQxHxK, k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ):
-        gather = lambda x: jax.lax.all_gather(x, tokens[1], axis=1, tiled=True)  # noqa: E731
-        mask_Bx1xQxM = document_mask(positions_BxQ, gather(positions_BxQ), segment_ids_BxQ, gather(segment_ids_BxQ))
-        return _attend_blocks(q_BxQxHxK, gather(k_BxCxNxK), gather(v_BxCxNxK),
-                              [(0, q_BxQxHxK.shape[1], mask_Bx1xQxM)])
-    return jax.shard_map(local, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+# The kernels that run whole on each device (splash runs per shard: maxtrain.parallel.context).
+KERNELS = {"dot_product": dot_product, "blockwise": blockwise, "jax_nn": jax_nn}
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:

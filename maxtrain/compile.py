@@ -22,7 +22,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-from maxtrain import cli_help, config as config_lib, errors, mesh as mesh_lib, metrics, platform_defaults  # noqa: E402
+from maxtrain import cli_help, config as config_lib, errors, mesh as mesh_lib, metrics, platform_defaults, resolve  # noqa: E402
 from maxtrain import fit, progress, step as step_lib, summary  # noqa: E402
 
 # HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
@@ -93,7 +93,7 @@ def compile_for(c_static: config_lib.Config) -> int:
     gen, spec, hbm_per_chip, chips = topology(c_static.compile_topology)
     desc = topology_desc(c_static.compile_topology, spec, c_static.compile_topology_num_slices)
     devices = desc.devices
-    c = mesh_lib.with_devices(c_static, len(devices), mesh_lib.num_slices(devices), "tpu")
+    c = resolve.resolve(c_static, len(devices), resolve.num_slices(devices), "tpu")
     hbm = hbm_per_chip * chips * c.compile_topology_num_slices / len(devices)  # per device
     advice = "try a larger ici_fsdp_parallelism, remat_policy=full, or a smaller per_device_batch_size"
     floor = fit.step_floor(c)  # from the config alone: a step far too large is refused before it is traced

@@ -3,7 +3,7 @@
 configs/base.yml is the schema: it declares every key and its default, and each key's type is the
 type of its default. Everything a user can get wrong is checked here, before anything compiles, and
 reported as a ConfigError that names the key. Values that follow from the config and the devices
-(mesh shape, global batch, parameter count) are derived once, in `mesh.with_devices` and `_derive_static`.
+(parameter count; mesh shape, global batch) are derived once, in `_derive_static` and `maxtrain.resolve`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ checked before it runs.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 
 import jax
@@ -23,6 +22,7 @@ import numpy as np
 from maxtrain import checkpoint as ckpt_lib
 from maxtrain import cli_help, config as config_lib, errors, fit, platform_env, summary
 from maxtrain import mesh as mesh_lib, step as step_lib, tokenizer as tokenizer_lib
+from maxtrain.parallel import rules as rules_lib
 from maxtrain.model import output_logits
 from maxtrain.train import load_config, say
 
@@ -47,9 +47,11 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
     # never attended); it stays in sequence order, without training's load-balanced layout.
     multiple = c.mesh_shape["context"] * (128 if c.attention == "splash" else 1)
     total = -(-total // multiple) * multiple
-    model = trainer.model.clone(args=dataclasses.replace(trainer.model.args, context_load_balance=False))
+    args = trainer.model.args
+    model = trainer.model.clone(args=dataclasses.replace(args, plan=dataclasses.replace(args.plan,
+                                                                                     context_load_balance=False)))
     # The batch axis is sharded over data x fsdp: give every batch shard a (identical) row.
-    rows = math.prod(c.mesh_shape[a] for a in mesh_lib.mesh_axes_for(c.logical_axis_rules, "batch"))
+    rows = rules_lib.shards(c.logical_axis_rules, "batch", c.mesh_shape)
     buffer_RxT = np.zeros((rows, total), np.int32)
     buffer_RxT[:, :start] = prompt_ids
     buffer_RxT = jax.device_put(buffer_RxT, trainer.batch_sharding)
@@ -61,7 +63,7 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
         token = choose(logits_V, rng, temperature, top_k)
         return buffer_RxT.at[:, position].set(token), token
 
-    step = jax.jit(step, out_shardings=(trainer.batch_sharding, mesh_lib.replicated(trainer.mesh)),
+    step = jax.jit(step, out_shardings=(trainer.batch_sharding, rules_lib.replicated(trainer.mesh)),
                    donate_argnums=1)
     rng, new = jax.random.key(seed), []
     step = step.lower(params, buffer_RxT, start, rng).compile()

@@ -11,8 +11,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxtrain import mesh as mesh_lib
-from maxtrain.model import mask_padding, merge_chunks, output_logits, split_chunks
+from maxtrain.model import mask_padding, output_logits
+from maxtrain.parallel.chunks import merge_chunks, split_chunks
+from maxtrain.parallel.rules import constrain
 
 
 def cross_entropy_sums_from_logits(logits_BxLxV, targets_BxL, weights_BxL):
@@ -51,7 +52,7 @@ def cross_entropy_loss(x_BxLxD, out_DxV, targets_BxL, weights_BxL, chunk: int, d
 def _chunk_sums(x_BxCxD, w_DxV, targets_BxC, weights_BxC, dot_in_fp32, vocab):
     """One chunk's float32 logits, log Z, and summed cross-entropy and log(Z)^2."""
     logits_BxCxV = mask_padding(output_logits(x_BxCxD, w_DxV, dot_in_fp32), vocab)
-    logits_BxCxV = mesh_lib.constrain(logits_BxCxV, ("batch", "length", "vocab"))
+    logits_BxCxV = constrain(logits_BxCxV, ("batch", "length", "vocab"))
     return (logits_BxCxV, *_sums(logits_BxCxV, targets_BxC, weights_BxC))
 
 
@@ -84,10 +85,10 @@ def _fused_fwd(chunk, dot_in_fp32, z_loss_multiplier, vocab, x_BxLxD, out_DxV, t
         d_logits_BxCxV = d_logits_BxCxV.astype(x_BxLxD.dtype)
         d_x_BxCxD = jnp.einsum("bcv,dv->bcd", d_logits_BxCxV, w_DxV)
         d_w_DxV = jnp.einsum("bcd,bcv->dv", x_BxCxD, d_logits_BxCxV)
-        d_w_DxV = mesh_lib.constrain(d_w_DxV, ("embed", "vocab"))  # reduce-scatter now
+        d_w_DxV = constrain(d_w_DxV, ("embed", "vocab"))  # reduce-scatter now
         return (ce_sum + ce, z_sum + z, d_out_DxV + d_w_DxV.astype(out_DxV.dtype)), d_x_BxCxD
 
-    zeros_DxV = mesh_lib.constrain(jnp.zeros_like(out_DxV), ("embed", "vocab"))
+    zeros_DxV = constrain(jnp.zeros_like(out_DxV), ("embed", "vocab"))
     chunks = [split_chunks(a, chunk) for a in (x_BxLxD, targets_BxL, weights_BxL)]
     (ce, z, d_out_DxV), d_x_NxBxCxD = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(()), zeros_DxV), chunks)
     return (ce + z_loss_multiplier * z, ce), (merge_chunks(d_x_NxBxCxD), d_out_DxV)

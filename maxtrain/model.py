@@ -15,12 +15,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
 
-from maxtrain import attention, mesh as mesh_lib, moe, quantization, remat
+from maxtrain import moe, quantization, remat
 from maxtrain.config import padded_vocab
-
-constrain = mesh_lib.constrain
+from maxtrain.parallel.plan import Plan
+from maxtrain.parallel.rules import constrain
+from maxtrain.resolve import Resolved
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
@@ -39,12 +39,6 @@ class ModelArgs:
     dtype: Any
     weight_dtype: Any
     scan_layers: bool
-    scan_unroll: int  # layers per iteration of the scanned loop (all of them: no loop)
-    remat_policy: str
-    mlp_chunk: int  # 0 = the whole sequence at once
-    moe_chunk: int  # the same for an MoE layer
-    attention: str
-    context_load_balance: bool  # under context parallelism the batch is in attention.zigzag_order
     logits_dot_in_fp32: bool
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
     quantized_mlp: bool  # maxtrain.quantization quantizes MLPs: their matmuls as jnp.einsum, which Qwix intercepts
@@ -59,7 +53,7 @@ class ModelArgs:
     norm_topk_prob: bool
     routed_bias: bool
     routed_scaling_factor: float
-    moe_grouped_matmul: str
+    plan: Plan  # how the layers run: kernels, chunks, remat, the scan's unroll (maxtrain.parallel.plan)
 
     @classmethod
     def from_config(cls, c) -> "ModelArgs":
@@ -71,17 +65,14 @@ class ModelArgs:
                           c.rope_original_max_position_embeddings),
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
             qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
-            scan_layers=c.scan_layers, remat_policy=c.remat_policy,
-            scan_unroll=max(c.scan_unroll, 1),  # -1 (auto) in a config resolved without devices: the loop
-            mlp_chunk=c.mlp_chunk_size, moe_chunk=c.get("moe_chunk_size", 0),
-            attention=c.attention, context_load_balance=c.context_parallel_load_balance,
-            logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
+            scan_layers=c.scan_layers, logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
             quantized_mlp="mlp" in quantization.targets(c),
             num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_mlp=c.moe_mlp_dim,
             shared_experts=c.shared_experts, first_dense_layers=c.first_num_dense_layers,
             capacity_factor=c.capacity_factor, routed_score_func=c.routed_score_func,
             norm_topk_prob=c.norm_topk_prob, routed_bias=c.routed_bias,
-            routed_scaling_factor=c.routed_scaling_factor, moe_grouped_matmul=c.moe_grouped_matmul)
+            routed_scaling_factor=c.routed_scaling_factor,
+            plan=Plan.from_resolved(c) if isinstance(c, Resolved) else Plan.single_device(c))
 
     @property
     def padded_vocab(self) -> int:
@@ -180,13 +171,7 @@ class Attention(nn.Module):
                               ("batch", "length", "kv_heads", "head_dim"))
         v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-        if a.attention == "splash":
-            ctx_BxLxHxK = attention.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
-                                           a.context_load_balance)
-        elif mesh_lib.length_shards() > 1:  # context parallelism: the sequence is split over devices
-            ctx_BxLxHxK = attention.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
-        else:
-            ctx_BxLxHxK = attention.KERNELS[a.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
+        ctx_BxLxHxK = a.plan.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)
         return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT)
 
@@ -231,14 +216,7 @@ class MLP(nn.Module):
             h_BxCxF = constrain(nn.silu(gate_BxCxF) * up_BxCxF, ("batch", "length", "mlp"))
             return checkpoint_name(mm(h_BxCxF, down_FxD), remat.MLP_OUT)
 
-        share = x_BxLxD.shape[1] // mesh_lib.length_shards()  # each device's positions
-        if not a.mlp_chunk or share % a.mlp_chunk or share == a.mlp_chunk:
-            return mlp(x_BxLxD)
-        # Long sequences: `mlp_chunk` positions at a time, each chunk rematerialized under the layer's
-        # policy, so the [B,L,F] intermediates (and their gradients) exist one chunk at a time.
-        if a.remat_policy != "none":
-            mlp = jax.checkpoint(mlp, policy=remat.POLICIES[a.remat_policy])
-        return merge_chunks(jax.lax.map(mlp, split_chunks(x_BxLxD, a.mlp_chunk)))
+        return a.plan.mlp(mlp, x_BxLxD)  # long sequences: in chunks of positions
 
 
 class DecoderLayer(nn.Module):
@@ -272,18 +250,15 @@ class Decoder(nn.Module):
 
         embed_init = nn.with_logical_partitioning(nn.initializers.normal(a.embed ** -0.5), ("vocab", "embed"))
         embedding_VxD = self.param("embedding", embed_init, (a.padded_vocab, a.embed), a.weight_dtype)
-        x_BxLxD = embed(embedding_VxD, tokens_BxL, a.dtype)
+        x_BxLxD = a.plan.embed(embedding_VxD, tokens_BxL, a.dtype)
 
-        layer = DecoderLayer
-        policy = remat.POLICIES[a.remat_policy]
-        if a.remat_policy != "none":
-            layer = nn.remat(layer, policy=policy, prevent_cse=not a.scan_layers)
+        layer = a.plan.remat(DecoderLayer, a.scan_layers)
         first = 0
         for name, count, is_moe in a.stacks():
             if a.scan_layers:  # intermediates: MoE layers record their load and auxiliary losses
                 stack = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                                 in_axes=(nn.broadcast, nn.broadcast), length=count,
-                                unroll=min(a.scan_unroll, count), metadata_params={nn.PARTITION_NAME: "layers"})
+                                unroll=a.plan.unroll(count), metadata_params={nn.PARTITION_NAME: "layers"})
                 x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL)
             else:
                 for i in range(first, first + count):
@@ -315,50 +290,6 @@ def mask_padding(logits_BxLxV, vocab: int):
     if logits_BxLxV.shape[-1] == vocab:
         return logits_BxLxV
     return jnp.where(jnp.arange(logits_BxLxV.shape[-1]) < vocab, logits_BxLxV, -jnp.inf)
-
-
-def embed(embedding_VxD, tokens_BxL, dtype):
-    """The table's rows for the tokens, in `dtype`. Under a mesh that splits the table's columns
-    (fsdp), each device looks up the tokens of all the devices sharing the table in the columns it
-    holds, then takes back its own tokens' whole rows (an all-to-all the size of the result): the
-    table never moves, and its gradient is a float32 scatter-add into each device's own columns. Left
-    to GSPMD (llama3-8b, 131,072 tokens, context 16) XLA added into a whole [V, D] float32 table: 4 GiB."""
-    lookup = lambda table_VxE, tokens: jnp.take(table_VxE, tokens, axis=0).astype(dtype)  # noqa: E731
-    column_axes = mesh_lib.active_axes(("vocab", "embed"), embedding_VxD.shape)[1]  # as the table is split
-    if not column_axes or not mesh_lib.splits_evenly(("batch", "length"), tokens_BxL.shape):
-        return constrain(lookup(embedding_VxD, tokens_BxL), ("batch", "length", "embed"))
-    token_spec = PartitionSpec(*nn.logical_to_mesh_axes(("batch", "length")))
-
-    def local(table_VxE, tokens_BxL):
-        all_tokens_T = jax.lax.all_gather(tokens_BxL.reshape(-1), column_axes, tiled=True)
-        rows_TxE = lookup(table_VxE, all_tokens_T)
-        rows_BLxD = jax.lax.all_to_all(rows_TxE, column_axes, 0, 1, tiled=True)
-        return rows_BLxD.reshape(*tokens_BxL.shape, -1)
-    # the table's rows whole on entry (a vocab split, by tensor, is gathered: a slice of columns is small)
-    return jax.shard_map(local, in_specs=(PartitionSpec(None, column_axes), token_spec),
-                         out_specs=PartitionSpec(*token_spec, None), check_vma=False)(embedding_VxD, tokens_BxL)
-
-
-def split_chunks(x_BxL, chunk: int, shards: int | None = None):
-    """[B, L, ...] -> [N, B, C, ...]: chunks of positions for a scan or map to walk through, `chunk` of
-    each device's positions in each (at most all of them). Under context parallelism (L split over S
-    devices; default: as the active mesh splits `length`) a chunk takes `chunk` positions from every
-    device's share (C = S x chunk), so each device works on its own positions at every step;
-    contiguous chunks would each live on one device."""
-    b, length = x_BxL.shape[:2]
-    shards = mesh_lib.length_shards() if shards is None else shards
-    chunk = min(chunk, length // shards)
-    x_BxSxNxC = x_BxL.reshape(b, shards, length // shards // chunk, chunk, *x_BxL.shape[2:])
-    x_NxBxSxC = jnp.moveaxis(x_BxSxNxC, 2, 0)
-    return x_NxBxSxC.reshape(x_NxBxSxC.shape[0], b, shards * chunk, *x_BxL.shape[2:])
-
-
-def merge_chunks(x_NxBxC, shards: int | None = None):
-    """The inverse of split_chunks."""
-    n, b, c = x_NxBxC.shape[:3]
-    shards = mesh_lib.length_shards() if shards is None else shards
-    x_NxBxSxC = x_NxBxC.reshape(n, b, shards, c // shards, *x_NxBxC.shape[3:])
-    return jnp.moveaxis(x_NxBxSxC, 0, 2).reshape(b, n * c, *x_NxBxC.shape[3:])
 
 
 def unstack_layers(params: dict, args: ModelArgs) -> dict:

@@ -3,11 +3,10 @@ token; each expert is a SwiGLU; the token's output is the weighted sum of its ex
 
 Routing (softmax or sigmoid scores, top-k, optional renormalisation and DeepSeek-V3's selection bias),
 the auxiliary losses and the capacity rule are plain array code over the whole batch, so GSPMD sees
-global statistics. The expert work runs per device inside `shard_map`: a device sorts its tokens'
-assignments by expert and multiplies them with a grouped matmul, so only the chosen experts' FLOPs are
-spent. Under expert parallelism each device holds num_experts / expert-axis experts; assignments travel
-to their expert's device and back with `all_to_all`, in buffers sized so that nothing is ever dropped
-that the capacity rule keeps. Mesh axes are read from the logical axis rules, never named here.
+global statistics. The experts' work is the plan's (maxtrain.parallel.experts: per device, assignments
+sorted by expert, exchanged under expert parallelism); this module holds its mesh-free pieces: the
+sort and permutation of assignments, the exchange buffers' size and the grouped matmuls, so only the
+chosen experts' FLOPs are spent.
 
 Shape suffixes as in model.py, and: E experts, K experts per token, T tokens on a device, A = T*K
 assignments, G experts on a device, F expert width, S rows a device sends to each peer.
@@ -15,7 +14,6 @@ assignments, G experts on a device, F expert width, S rows a device sends to eac
 
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.linen as nn
@@ -23,10 +21,6 @@ from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
-
-from maxtrain import attention, mesh as mesh_lib, remat
 
 # Logical names of the expert weights' dimensions and of the activations the block reads.
 EXPERT_WEIGHT_AXES = ("experts", "embed", "moe_mlp")
@@ -55,9 +49,8 @@ class MoEBlock(nn.Module):
         up_ExDxF = dense_weight(self, "wi_up", (e, a.embed, f), EXPERT_WEIGHT_AXES, fan_in=(1,))
         down_ExFxD = dense_weight(self, "wo", (e, f, a.embed), ("experts", "moe_mlp", "embed"), fan_in=(1,))
         cap = capacity(a, x_BxLxD.shape[1]) if a.capacity_factor > 0 else None
-        y_BxLxD = expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK.astype(a.dtype),
-                             (gate_ExDxF, up_ExDxF, down_ExFxD), cap, a.moe_grouped_matmul, a.moe_chunk,
-                             a.remat_policy)
+        y_BxLxD = a.plan.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK.astype(a.dtype),
+                                    (gate_ExDxF, up_ExDxF, down_ExFxD), cap)
         if a.shared_experts:  # always-on experts (DeepSeek, Qwen2-MoE), one SwiGLU of their joint width
             y_BxLxD = y_BxLxD + MLP(a, width=a.shared_experts * f, name="shared")(x_BxLxD)
         return y_BxLxD
@@ -89,9 +82,8 @@ class MoEBlock(nn.Module):
         self.sow("intermediates", "lb_loss", e * jnp.sum(counts_E / tokens * jnp.mean(probs_BxLxE, axis=(0, 1))))
         self.sow("intermediates", "z_loss", jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxE, axis=-1))))
         if a.capacity_factor > 0:
-            length, shards = x_BxLxD.shape[1], mesh_lib.length_shards()
-            if a.context_load_balance and shards > 1:  # "first" by position: the batch is in zigzag order
-                places = attention.zigzag_order(length, shards)
+            length, places = x_BxLxD.shape[1], a.plan.positions_order(x_BxLxD.shape[1])
+            if places is not None:  # "first" by position: the batch is in zigzag order
                 keep_BxLxK = within_capacity(experts_BxLxK[:, np.argsort(places)], e, capacity(a, length))[:, places]
             else:
                 keep_BxLxK = within_capacity(experts_BxLxK, e, capacity(a, length))
@@ -121,91 +113,6 @@ def buffer_rows(length: int, k: int, local_experts: int, cap: int | None) -> int
     return rows if cap is None else min(rows, cap * local_experts)
 
 
-# ---------------------------------------------------------------------------------------------
-# The expert computation, per device
-
-
-def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, matmul: str, chunk: int = 0,
-               policy: str = "none"):
-    """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh by shard_map; with
-    `chunk`, that many positions at a time, each chunk rematerialized under `policy`."""
-    mesh = jax.sharding.get_abstract_mesh()
-    batch_axes, length_axes, _ = mesh_lib.active_axes(ACTIVATION_AXES)
-    if mesh.empty or mesh.size == 1 or not mesh_lib.splits_evenly(ACTIVATION_AXES[:2], x_BxLxD.shape[:2]):
-        # one device, or a batch the mesh cannot split (the init's shape probe, generating one sequence):
-        # the same computation for GSPMD to place
-        return _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights, expert_axes=(), embed_axes=(),
-                                 mlp_axes=(), cap=cap, matmul=matmul, chunk=chunk, policy=policy)
-    expert_axes, embed_axes, mlp_axes = mesh_lib.active_axes(EXPERT_WEIGHT_AXES)
-    local = functools.partial(_local_expert_mlp, expert_axes=expert_axes, embed_axes=embed_axes,
-                              mlp_axes=mlp_axes, cap=cap, matmul=matmul, chunk=chunk, policy=policy)
-    tokens = PartitionSpec(batch_axes or None, length_axes or None)  # context parallelism: each its positions
-    weight_spec = PartitionSpec(expert_axes or None, embed_axes or None, mlp_axes or None)
-    down_spec = PartitionSpec(expert_axes or None, mlp_axes or None, embed_axes or None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, weight_spec, weight_spec, down_spec),
-                         out_specs=tokens, check_vma=False)(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights)
-
-
-def _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, gate_GxDxF, up_GxDxF, down_GxFxD, *,
-                      expert_axes, embed_axes, mlp_axes, cap, matmul, chunk, policy):
-    if embed_axes:  # fsdp: gather the experts' embed dimension (its transpose reduce-scatters the gradient)
-        gate_GxDxF, up_GxDxF = (jax.lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (gate_GxDxF, up_GxDxF))
-        down_GxFxD = jax.lax.all_gather(down_GxFxD, embed_axes, axis=2, tiled=True)
-    weights = (gate_GxDxF, up_GxDxF, down_GxFxD)
-    length = x_BxLxD.shape[1]
-    run = functools.partial(_route_and_compute, weights=weights, expert_axes=expert_axes, cap=cap, matmul=matmul)
-    if chunk <= 0 or length % chunk or length == chunk:
-        y_BxLxD = run(x_BxLxD, experts_BxLxK, weights_BxLxK)
-    else:  # long sequences: the [assignments, expert width] intermediates exist one chunk at a time
-        from maxtrain.model import merge_chunks, split_chunks
-        if policy != "none":
-            run = jax.checkpoint(run, policy=remat.POLICIES[policy])
-        chunks = [split_chunks(z, chunk, shards=1) for z in (x_BxLxD, experts_BxLxK, weights_BxLxK)]  # local
-        y_BxLxD = merge_chunks(jax.lax.map(lambda c: run(*c), chunks), shards=1)
-    if mlp_axes:  # tensor parallel: each device holds a slice of every expert's width
-        y_BxLxD = jax.lax.psum(y_BxLxD, mlp_axes)
-    return y_BxLxD
-
-
-def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, expert_axes, cap, matmul):
-    """This device's tokens through their experts: sorted by expert, exchanged (expert parallelism),
-    multiplied, and summed back per token with the routing weights."""
-    gate_GxDxF, up_GxDxF, down_GxFxD = weights
-    b, length, d = x_BxLxD.shape
-    k = experts_BxLxK.shape[-1]
-    x_TxD = x_BxLxD.reshape(-1, d)
-    experts_A = experts_BxLxK.reshape(-1)
-    local_experts = gate_GxDxF.shape[0]
-
-    def swiglu(x, gmm):
-        gate = checkpoint_name(gmm(x, 0), remat.MLP_IN)
-        up = checkpoint_name(gmm(x, 1), remat.MLP_IN)
-        return checkpoint_name(gmm(nn.silu(gate) * up, 2), remat.MLP_OUT)
-
-    def mlp(xs_MxD, group_sizes_G):  # blocked and megablox pad once for the three matmuls
-        if matmul in ("blocked", "megablox"):
-            run = blocked_swiglu if matmul == "blocked" else megablox_swiglu
-            return run(xs_MxD, group_sizes_G, (gate_GxDxF, up_GxDxF, down_GxFxD), swiglu)
-        return swiglu(xs_MxD, lambda x, i: grouped_matmul(x, (gate_GxDxF, up_GxDxF, down_GxFxD)[i],
-                                                         group_sizes_G, matmul))
-
-    peers = _size(expert_axes)
-    order_A, inverse_A, sizes_E = sort_by_group(experts_A, local_experts * peers)
-    xs_AxD = permute_rows(jnp.repeat(x_TxD, k, axis=0), order_A, inverse_A)
-    if peers == 1:
-        ys_AxD = mlp(xs_AxD, sizes_E)
-    else:
-        rows = b * buffer_rows(length, k, local_experts, cap)
-        ys_AxD = _exchange(xs_AxD, experts_A[order_A], sizes_E, mlp, expert_axes, local_experts, rows)
-    y_TxKxD = permute_rows(ys_AxD, inverse_A, order_A).reshape(-1, k, d)
-    y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD, weights_BxLxK.reshape(-1, k))
-    return y_TxD.reshape(b, length, d)
-
-
-def _size(axes) -> int:
-    return math.prod(jax.lax.axis_size(a) for a in axes) if axes else 1
-
-
 @jax.custom_vjp
 def permute_rows(x_NxD, index_M, inverse_N):
     """y[i] = x[index[i]], or zeros where index[i] == N. `inverse` is the map the other way (each row of x:
@@ -227,31 +134,6 @@ def sort_by_group(groups_A, num_groups: int):
     order_A = jnp.argsort(groups_A, stable=True)
     inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
     return order_A, inverse_A, jnp.bincount(groups_A, length=num_groups).astype(jnp.int32)
-
-
-def _exchange(xs_AxD, experts_A, sizes_E, mlp, expert_axes, local_experts, rows):
-    """Expert parallelism: the sorted assignments go to the devices holding their experts (all_to_all),
-    through `mlp` there, and back. Each peer gets a fixed `rows`-row slot, valid rows first."""
-    peers = _size(expert_axes)
-    a, d = xs_AxD.shape
-    count_P = sizes_E.reshape(peers, local_experts).sum(axis=1)
-    start_P = jnp.cumsum(count_P) - count_P
-    slot_PxS = start_P[:, None] + jnp.arange(rows)
-    valid_PxS = jnp.arange(rows) < count_P[:, None]
-    slot_PxS = jnp.where(valid_PxS, slot_PxS, a)  # row a: a zero row
-    send_PxSxD = jnp.concatenate([xs_AxD, jnp.zeros((1, d), xs_AxD.dtype)])[slot_PxS]
-    local_id_PxS = jnp.where(valid_PxS, jnp.append(experts_A, 0)[slot_PxS] % local_experts, local_experts)
-    recv_PxSxD = jax.lax.all_to_all(send_PxSxD, expert_axes, 0, 0, tiled=True)
-    recv_id_PxS = jax.lax.all_to_all(local_id_PxS, expert_axes, 0, 0, tiled=True)
-
-    order, inverse, sizes_G = sort_by_group(recv_id_PxS.reshape(-1), local_experts)
-    out_PxSxD = mlp(recv_PxSxD.reshape(-1, d)[order], sizes_G)[inverse].reshape(peers, rows, d)
-    back_PxSxD = jax.lax.all_to_all(out_PxSxD, expert_axes, 0, 0, tiled=True)
-    # sorted assignment j came from slot (its peer, j - the peer's start)
-    peer_A = jnp.minimum(experts_A // local_experts, peers - 1)
-    within_A = jnp.arange(a) - start_P[peer_A]
-    kept_A = (experts_A < local_experts * peers) & (within_A < rows)
-    return jnp.where(kept_A[:, None], back_PxSxD[peer_A, jnp.clip(within_A, 0, rows - 1)], 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,16 +4,17 @@ stated in base.yml beside its key; an explicit value always wins."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from maxtrain import quantization
 from maxtrain.config import ConfigError, padded_vocab
-from maxtrain.mesh import mesh_axes_for
+from maxtrain.parallel import rules
 
 
-def resolve(c: dict[str, Any], platform: str) -> None:
-    """Fills in the auto values of a config whose mesh is resolved (mesh.with_devices)."""
+def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
+    """The auto values of a config whose mesh is resolved (maxtrain.resolve), and moe_chunk_size, as
+    {key: value}."""
+    c = dict(resolving)
     if c["attention"] == "auto":
         quantized = "attention" in quantization.targets(c)
         c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
@@ -26,6 +27,8 @@ def resolve(c: dict[str, Any], platform: str) -> None:
     if c["scan_unroll"] == -1:
         c["scan_unroll"] = scan_unroll_for(platform, c["remat_policy"], c["base_num_decoder_layers"])
     auto_chunks(c)
+    return {k: c[k] for k in ("attention", "moe_grouped_matmul", "scan_unroll", "loss_chunk_size", "mlp_chunk_size",
+                              "moe_chunk_size")}
 
 
 def scan_unroll_for(platform: str, remat_policy: str, layers: int) -> int:
@@ -70,8 +73,7 @@ def auto_chunks(c: dict[str, Any]) -> None:
     """loss_chunk_size / mlp_chunk_size = -1: chunk where the unchunked tensor would be large per device
     (moe_chunk_size: mlp_chunk_size's value for an MoE layer)."""
     def shards(logical: str, size: int | None = None) -> int:  # with a size: as the resolver splits it
-        axes = mesh_axes_for(c["logical_axis_rules"], logical, size, c["mesh_shape"])
-        return math.prod(c["mesh_shape"][a] for a in axes)
+        return rules.shards(c["logical_axis_rules"], logical, c["mesh_shape"], size)
     rows = c["global_batch_size"] / shards("batch") / c["gradient_accumulation_steps"]
     length = c["max_target_length"] // shards("length")  # each device's positions (chunks split those)
     itemsize = 2 if c["dtype"] == "bfloat16" else 4

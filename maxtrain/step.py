@@ -23,6 +23,7 @@ from maxtrain.config import Config
 from maxtrain.data import BATCH_DTYPES
 from maxtrain.model import Decoder, ModelArgs
 from maxtrain.optimizer import learning_rate_schedule, make_optimizer
+from maxtrain.parallel import rules as rules_lib
 
 
 @flax.struct.dataclass
@@ -107,7 +108,7 @@ class Trainer:
 def build(c: Config, mesh) -> Trainer:
     model = quantization.quantize(Decoder(ModelArgs.from_config(c)), c)
     tx = make_optimizer(c)
-    rules = mesh_lib.axis_rules(c)
+    rules = rules_lib.axis_rules(c)
     dummy_tokens = jnp.zeros((1, c.max_target_length), jnp.int32)
 
     def init_state(rng) -> TrainState:
@@ -118,17 +119,17 @@ def build(c: Config, mesh) -> Trainer:
     boxed = jax.eval_shape(model.init, rng, dummy_tokens)["params"]
     param_specs = nn.get_partition_spec(boxed)
     param_shapes = nn.meta.unbox(boxed)
-    param_shardings = mesh_lib.param_shardings(param_specs, param_shapes, mesh, rules)
-    notes = mesh_lib.uneven_notes(param_specs, param_shapes, rules, dict(mesh.shape))
+    param_shardings = rules_lib.param_shardings(param_specs, param_shapes, mesh, rules)
+    notes = rules_lib.uneven_notes(param_specs, param_shapes, rules, dict(mesh.shape))
     abstract = jax.eval_shape(init_state, rng)
-    replicated = mesh_lib.replicated(mesh)
+    replicated = rules_lib.replicated(mesh)
     # Optimizer moments are shaped like the params and sharded like them; counters are replicated.
     opt_shardings = optax.tree_map_params(
         tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
         transform_non_params=lambda _: replicated)
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
-    batch_sharding = mesh_lib.sharding_for(("batch", "length"), mesh, rules)
+    batch_sharding = rules_lib.sharding_for(("batch", "length"), mesh, rules)
     # On CPU most of the compile time goes to LLVM, and at level 1 it takes less of it: the small
     # benchmark's step compiles in ~20% less CPU time and runs as fast (its matmuls are library
     # calls), equal to the default's results up to float32 rounding. Init, which runs once, also

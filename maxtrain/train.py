@@ -24,7 +24,7 @@ import time
 import jax
 
 from maxtrain import config as config_lib, errors
-from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, platform_defaults
+from maxtrain import data, distributed, fit, mesh as mesh_lib, metrics as metrics_lib, platform_defaults, resolve
 from maxtrain import cli_help, metric_writers, platform_env, profiler as profiler_lib, progress
 from maxtrain import run_dir as run_dir_lib, run_name as run_name_lib, run_record
 from maxtrain.interrupts import Preemption
@@ -37,7 +37,7 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
-def load_config(argv: list[str], devices=None) -> config_lib.Config:
+def load_config(argv: list[str], devices=None) -> resolve.Resolved:
     """Parse and validate, start jax.distributed if the run is multi-process, then fit the mesh."""
     c = config_lib.load(argv)
     distributed.initialize(c)  # before anything touches devices
@@ -49,8 +49,7 @@ def load_config(argv: list[str], devices=None) -> config_lib.Config:
     if c.compilation_cache_dir:  # a rerun of the same program loads its executables instead of compiling
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    devices = devices or jax.devices()
-    return mesh_lib.with_devices(c, len(devices), mesh_lib.num_slices(devices), devices[0].platform)
+    return resolve.resolve(c, devices or jax.devices())
 
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from maxtrain import config, mesh as mesh_lib
+from maxtrain import config
+from maxtrain.resolve import resolve
 from maxtrain.config import ConfigError
 
 from conftest import TINY
@@ -15,12 +16,12 @@ BASE = str(config.BASE_YML)
 
 def error_of(argv, devices=8, slices=1):
     with pytest.raises(ConfigError) as e:
-        mesh_lib.with_devices(config.load(argv), devices, slices)
+        resolve(config.load(argv), devices, slices)
     return e.value
 
 
 def test_defaults_load_and_are_frozen():
-    c = mesh_lib.with_devices(config.load([BASE]), 1)
+    c = resolve(config.load([BASE]), 1)
     assert c.steps == 200 and c.remat_policy == "full"
     assert c.mesh_shape == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     assert c.global_batch_size == 4
@@ -119,7 +120,7 @@ def test_only_one_fill_axis_per_group():
 
 
 def test_fill_resolves_mesh():
-    c = mesh_lib.with_devices(config.load([BASE, "ici_tensor_parallelism=2"]), 8)
+    c = resolve(config.load([BASE, "ici_tensor_parallelism=2"]), 8)
     assert c.mesh_shape == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
 
 
@@ -150,7 +151,7 @@ def test_global_batch_divisible_by_batch_shards():
 
 
 def test_fractional_batch_allowed_when_divisible():
-    c = mesh_lib.with_devices(config.load([BASE, "per_device_batch_size=0.5", "ici_fsdp_parallelism=4",
+    c = resolve(config.load([BASE, "per_device_batch_size=0.5", "ici_fsdp_parallelism=4",
                                          "ici_tensor_parallelism=2"]), 8)
     assert c.global_batch_size == 4
 
@@ -207,7 +208,7 @@ def test_cli_mesh_error_exits_2(tmp_path):
 
 def test_attention_auto_is_each_platforms_kernel_and_an_explicit_value_wins():
     def resolved(*overrides, platform):
-        return mesh_lib.with_devices(config.load([BASE, *overrides]), 1, platform=platform).attention
+        return resolve(config.load([BASE, *overrides]), 1, platform=platform).attention
     assert resolved(platform="tpu") == "splash" and resolved(platform="gpu") == "jax_nn"
     assert resolved(platform="cpu") == "blockwise"
     assert resolved("max_target_length=100", platform="tpu") == "blockwise"  # splash needs blocks of 128
@@ -219,7 +220,7 @@ def test_attention_auto_is_each_platforms_kernel_and_an_explicit_value_wins():
 
 def test_auto_chunks_switch_on_where_the_unchunked_tensors_are_large():
     def chunks(*overrides, devices=64):
-        c = mesh_lib.with_devices(config.load([BASE, *overrides]), devices, platform="tpu")
+        c = resolve(config.load([BASE, *overrides]), devices, platform="tpu")
         return c.loss_chunk_size, c.mlp_chunk_size
     # llama2-7b at 4096 on 64 chips: 2 GiB of float32 logits and 360 MB of bf16 MLP activations per chip.
     assert chunks("model_name=llama2-7b", "max_target_length=4096") == (512, 2048)
@@ -232,7 +233,7 @@ def test_auto_chunks_switch_on_where_the_unchunked_tensors_are_large():
 
 def test_scan_unroll_auto_unrolls_small_models_without_remat_on_cpu():
     def unroll(*overrides, platform="cpu"):
-        return mesh_lib.with_devices(config.load([BASE, *overrides]), 1, platform=platform).scan_unroll
+        return resolve(config.load([BASE, *overrides]), 1, platform=platform).scan_unroll
     assert unroll("remat_policy=none") == 4  # base.yml's 4 layers, no loop
     assert unroll() == 1 and unroll("remat_policy=minimal") == 1  # full remat: the loop
     assert unroll("remat_policy=none", platform="tpu") == 1
@@ -243,7 +244,7 @@ def test_scan_unroll_auto_unrolls_small_models_without_remat_on_cpu():
 def test_an_moe_layer_chunks_only_under_expert_parallelism():
     def moe_chunk(*overrides):
         c = config.load([BASE, "model_name=mixtral-8x7b", "max_target_length=4096", *overrides])
-        return mesh_lib.with_devices(c, 64, platform="tpu").moe_chunk_size
+        return resolve(c, 64, platform="tpu").moe_chunk_size
     # Expert 8: a chip receives 8 peers x 4 sequences x 1 assignment per position, 14336 wide in bf16:
     # 917,504 bytes a position, so 128 positions keep it under 128 MiB.
     assert moe_chunk("ici_expert_parallelism=8", "ici_fsdp_parallelism=8") == 128

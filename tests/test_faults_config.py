@@ -3,7 +3,8 @@ run, path-like names, and settings that cannot take effect. Each refusal is one 
 
 import pytest
 
-from maxtrain import config, mesh as mesh_lib
+from maxtrain import config
+from maxtrain.resolve import resolve
 from conftest import TINY, TESTS
 from test_faults import main_in_process, one_line, run_cli
 
@@ -94,7 +95,7 @@ def test_a_number_beyond_any_float_in_a_file_is_one_line(tmp_path, capsys):
 def test_real_models_are_within_the_bounds():
     for name in ("deepseek-v3-gqa", "llama3.1-405b", "qwen3-30b-a3b", "mixtral-8x7b", "smollm2-135m"):
         c = config.load([BASE, f"model_name={name}", "max_target_length=131072", "capacity_factor=1.25"])
-        c = mesh_lib.with_devices(c, 64, platform="tpu")  # fsdp 64: every width above divides
+        c = resolve(c, 64, platform="tpu")  # fsdp 64: every width above divides
         assert c.mesh_shape["fsdp"] == 64 and c.moe_grouped_matmul == "megablox"
     c = config.load([BASE, *MOE, "capacity_factor=1000", "max_target_length=2097152", "num_experts=65536",
                      "num_experts_per_tok=65536", "per_device_batch_size=1e-3"])
@@ -109,10 +110,10 @@ def test_megablox_off_tpu_is_refused_at_load(capsys, tmp_path):
         "ragged_dot (auto = blocked)"
     c = config.load([BASE, *MOE, "moe_grouped_matmul=megablox"])
     with pytest.raises(config.ConfigError, match="on gpu use blocked or ragged_dot \\(auto = ragged_dot\\)"):
-        mesh_lib.with_devices(c, 1, platform="gpu")
-    assert mesh_lib.with_devices(c, 1, platform="tpu").moe_grouped_matmul == "megablox"
+        resolve(c, 1, platform="gpu")
+    assert resolve(c, 1, platform="tpu").moe_grouped_matmul == "megablox"
     dense = config.load([BASE, "moe_grouped_matmul=megablox"])  # no experts: the key is never read
-    assert mesh_lib.with_devices(dense, 1, platform="cpu").moe_grouped_matmul == "megablox"
+    assert resolve(dense, 1, platform="cpu").moe_grouped_matmul == "megablox"
 
 
 # ---- names that are not paths ------------------------------------------------------------------------

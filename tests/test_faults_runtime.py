@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from maxtrain import config as config_lib, fit, mesh as mesh_lib, metric_writers, summary, train
+from maxtrain.resolve import resolve
 from conftest import TINY, TESTS
 from test_faults import CKPT, one_line, run_cli, small_disk  # noqa: F401 (a fixture)
 
@@ -127,7 +128,7 @@ README_TPU_ROWS = [
 
 @pytest.mark.parametrize("model, chips, overrides, planned", README_TPU_ROWS)
 def test_the_floor_is_below_what_xla_planned_for_the_presets(model, chips, overrides, planned):
-    c = mesh_lib.with_devices(config_lib.load([str(config_lib.BASE_YML), f"model_name={model}", *overrides]),
+    c = resolve(config_lib.load([str(config_lib.BASE_YML), f"model_name={model}", *overrides]),
                               chips, 1, "tpu")
     state = c.num_params * (4 + 4 + 4) / chips  # float32 weights and Adam moments, split over every chip
     assert (state + sum(fit.step_floor(c).values())) / fit.GiB < planned

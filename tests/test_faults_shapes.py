@@ -15,6 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from maxtrain import config as config_lib, convert, generate, loss as loss_lib, mesh as mesh_lib, model as model_lib
+from maxtrain.parallel import rules as rules_lib
+from maxtrain.parallel import rules
+from maxtrain.resolve import resolve
 from maxtrain import step as step_lib, train
 from conftest import TINY
 from test_convert import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits, random_hf_model
@@ -132,18 +135,18 @@ def test_width_the_mesh_does_not_divide_trains_like_one_device(train_tiny, tmp_p
 
 
 def test_the_planners_resolve_as_the_shardings_do(tiny_config):
-    """mesh.spec_for (the checks, platform defaults) and the parameters' real shardings agree, and the
+    """The one resolver (the checks, platform defaults) and the parameters' real shardings agree, and the
     state's planned size is what a device holds."""
     c = tiny_config("base_emb_dim=100", "base_mlp_dim=129", "vocab_size=32001", "ici_fsdp_parallelism=4",
                     "ici_tensor_parallelism=2")
     trainer = step_lib.build(c, mesh_lib.make_mesh(c))
     specs = jax.tree.leaves(trainer.param_logical_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     for spec, x in zip(specs, jax.tree.leaves(trainer.abstract_state.params)):
-        planned = mesh_lib.spec_for(c.logical_axis_rules, tuple(spec), x.shape, c.mesh_shape)
+        planned = rules.mesh_axes(c.logical_axis_rules, tuple(spec), x.shape, c.mesh_shape)
         real = [[] if a is None else [a] if isinstance(a, str) else list(a) for a in x.sharding.spec]
         assert planned == real + [[]] * (len(planned) - len(real)), spec
-    assert mesh_lib.mesh_axes_for(c.logical_axis_rules, "mlp", 129, c.mesh_shape) == []
-    assert mesh_lib.mesh_axes_for(c.logical_axis_rules, "vocab", 32128, c.mesh_shape) == ["tensor"]
+    assert rules.mesh_axes(c.logical_axis_rules, ("mlp",), (129,), c.mesh_shape)[0] == []
+    assert rules.mesh_axes(c.logical_axis_rules, ("vocab",), (32128,), c.mesh_shape)[0] == ["tensor"]
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         state = trainer.init(jax.random.key(0))
     held = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards
@@ -155,12 +158,12 @@ def test_the_planners_resolve_as_the_shardings_do(tiny_config):
 def test_smollm2_width_on_fsdp_128_is_one_note():
     """SmolLM2-135M's width 576 on 128 devices, planned without them."""
     c = config_lib.load([str(config_lib.BASE_YML), "model_name=smollm2-135m", "per_device_batch_size=1"])
-    c = mesh_lib.with_devices(c, 128)
+    c = resolve(c, 128)
     assert c.mesh_shape["fsdp"] == 128
     args = model_lib.ModelArgs.from_config(c)
     boxed = jax.eval_shape(model_lib.Decoder(args).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     import flax.linen as nn
-    lines = mesh_lib.uneven_notes(nn.get_partition_spec(boxed), nn.meta.unbox(boxed), mesh_lib.axis_rules(c),
+    lines = rules_lib.uneven_notes(nn.get_partition_spec(boxed), nn.meta.unbox(boxed), rules_lib.axis_rules(c),
                                   c.mesh_shape)
     assert lines == ["note: embed (576) is not divisible by fsdp=128: left unsharded on that axis"]
 

@@ -92,12 +92,13 @@ def test_mesh_axes_that_split_a_torus_dimension():
 import maxtrain.compile as C
 from jax.experimental import topologies
 from maxtrain import config as config_lib, mesh as mesh_lib
+from maxtrain.resolve import resolve
 spec = C.topology("v5p-128")[1]
 assert C.slice_shape(spec)["wrap"] == (True, True, True) and not any(C.slice_shape("v5p:2x4x4")["wrap"])
 devices = topologies.get_topology_desc(platform="tpu", topology_name=spec, **C.slice_shape(spec)).devices
 c = config_lib.load([str(config_lib.BASE_YML), "ici_fsdp_parallelism=8", "ici_expert_parallelism=8",
                      "num_experts=8", "compile_topology=v5p-128"])
-mesh = mesh_lib.make_mesh(mesh_lib.with_devices(c, len(devices), 1, "tpu"), devices)
+mesh = mesh_lib.make_mesh(resolve(c, len(devices), 1, "tpu"), devices)
 print(dict(mesh.shape), len(set(mesh.devices.flat)))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -16,7 +16,9 @@ from jax.sharding import Mesh
 
 from conftest import TESTS, TINY
 from maxtrain import config as config_lib, mesh as mesh_lib, moe
+from maxtrain.parallel import rules as rules_lib
 from maxtrain.model import MLP, Decoder, ModelArgs, stack_layers, unstack_layers
+from maxtrain.parallel.plan import Plan
 
 MOE = ("num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true")
 # Meshes of the 8 fake devices: (data, fsdp, expert, context, tensor).
@@ -28,9 +30,16 @@ def mesh_overrides(shape):
     return [f"ici_{a}_parallelism={n}" for a, n in zip(config_lib.MESH_AXES, shape)]
 
 
+def with_plan(args, **changes):
+    """args whose execution plan (chunks, grouped matmul) has `changes`."""
+    return dataclasses.replace(args, plan=dataclasses.replace(args.plan, **changes))
+
+
 def block_args(tiny_config, *overrides, **changes):
     c = tiny_config(*MOE, *overrides)
-    return dataclasses.replace(ModelArgs.from_config(c), **changes), c
+    planned = {f.name for f in dataclasses.fields(Plan)}
+    args = with_plan(ModelArgs.from_config(c), **{k: v for k, v in changes.items() if k in planned})
+    return dataclasses.replace(args, **{k: v for k, v in changes.items() if k not in planned}), c
 
 
 def init_block(args, x):
@@ -43,7 +52,7 @@ def apply_block(args, params, x, c=None, shape=None):
     if shape is None:
         return np.asarray(fn(params, x))
     mesh = Mesh(np.asarray(jax.devices()).reshape(shape), config_lib.MESH_AXES)
-    with mesh_lib.activate(mesh, mesh_lib.axis_rules(c)):
+    with mesh_lib.activate(mesh, rules_lib.axis_rules(c)):
         return np.asarray(fn(params, x))
 
 
@@ -143,7 +152,7 @@ def test_chunks_of_positions_equal_the_whole_sequence(tiny_config, capacity_fact
     x = random_x(args)
     params = init_block(args, x)
     whole = apply_block(args, params, x, c, MESHES["expert4xfsdp2"])
-    chunked = apply_block(dataclasses.replace(args, moe_chunk=4), params, x, c, MESHES["expert4xfsdp2"])
+    chunked = apply_block(with_plan(args, moe_chunk=4), params, x, c, MESHES["expert4xfsdp2"])
     np.testing.assert_allclose(chunked, whole, atol=1e-6)
 
 
@@ -155,9 +164,9 @@ def test_chunks_of_positions_give_the_whole_sequences_gradients(tiny_config):
 
     def grads(a):
         loss = lambda p, x: jnp.sum(jnp.sin(moe.MoEBlock(a).apply({"params": p}, x)))  # noqa: E731
-        with mesh_lib.activate(mesh, mesh_lib.axis_rules(c)):
+        with mesh_lib.activate(mesh, rules_lib.axis_rules(c)):
             return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
-    chunked = grads(dataclasses.replace(args, moe_chunk=4))
+    chunked = grads(with_plan(args, moe_chunk=4))
     for whole, chunk in zip(jax.tree.leaves(grads(args)), jax.tree.leaves(chunked)):
         np.testing.assert_allclose(chunk, whole, atol=1e-5, rtol=1e-5)
 

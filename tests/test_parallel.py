@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from maxtrain import mesh as mesh_lib, step as step_lib
+from maxtrain.parallel import rules as rules_lib
 
 # 8 query and 8 kv heads so that tensor=8 divides both; global batch 8 in every run.
 MODEL = ("base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8")
@@ -87,12 +88,12 @@ def test_splash_attention_under_shard_map_trains_like_dot_product(train_tiny):
     ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "num_experts=4"),
 ], ids=["fsdp8", "data2xfsdp2xtensor2", "context4xfsdp2", "data2xfsdp2xexpert2"])
 def test_embedding_lookup_and_its_gradient_match_one_device(tiny_config, mesh):
-    """model.embed (each device looks up every token in its columns of the table, then an all-to-all)
+    """The sharded embedding lookup (each device looks up every token in its columns of the table, then an all-to-all)
     gives the rows and the table gradient of a plain take."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
     import flax.linen as nn
-    from maxtrain import model
+    from maxtrain.parallel import embedding
     c = tiny_config(*mesh, "per_device_batch_size=1", "max_target_length=64")
     mesh_ = mesh_lib.make_mesh(c)
     table = jax.random.normal(jax.random.key(0), (c.vocab_size, c.base_emb_dim))
@@ -100,9 +101,9 @@ def test_embedding_lookup_and_its_gradient_match_one_device(tiny_config, mesh):
     cotangent = jax.random.normal(jax.random.key(2), (8, 64, c.base_emb_dim))
 
     def loss(t, tok):
-        return jnp.sum(model.embed(t, tok, jnp.float32) * cotangent)
+        return jnp.sum(embedding.lookup(t, tok, jnp.float32) * cotangent)
     want_loss, want_grad = jax.value_and_grad(loss)(table, tokens)
-    with mesh_lib.activate(mesh_, mesh_lib.axis_rules(c)):
+    with mesh_lib.activate(mesh_, rules_lib.axis_rules(c)):
         place = lambda x, axes: jax.device_put(x, NamedSharding(mesh_, PartitionSpec(*nn.logical_to_mesh_axes(axes))))  # noqa: E731
         table_, tokens_ = place(table, ("vocab", "embed")), place(tokens, ("batch", "length"))
         step = jax.jit(jax.value_and_grad(loss))

@@ -1,0 +1,85 @@
+"""Attention under a mesh: splash run per shard, and context parallelism (a sequence's positions split
+over devices, the `length` logical axis), both under shard_map. The kernels themselves, with no mesh,
+are in maxtrain.attention."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from maxtrain.attention import attend_blocks, run_splash, splash_kernel, unzigzag, document_mask, zigzag_order
+from maxtrain.parallel.rules import active_mesh, active_spec, length_shards, splits_evenly
+
+
+def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None, balanced=False):
+    """The splash kernel on each shard (batch, heads and queries split). Under context parallelism each
+    device runs it for its queries against the whole sequence's keys and values, gathered and put back
+    in sequence order (`balanced`: the batch is in zigzag_order, so each device's queries sit at those
+    places)."""
+    b, length, h, k = q_BxLxHxK.shape
+    to_heads_major = lambda x: x.swapaxes(1, 2)  # noqa: E731  [B,L,H,K] <-> [B,H,L,K]
+    args = (to_heads_major(q_BxLxHxK) * k ** -0.5, to_heads_major(k_BxLxNxK), to_heads_major(v_BxLxNxK),
+            segment_ids_BxL)
+    mesh = active_mesh()
+    specs = None
+    if mesh is not None:
+        logical = (("batch", "heads", "length", "head_dim"), ("batch", "kv_heads", "length", "head_dim"),
+                   ("batch", "kv_heads", "length", "head_dim"), ("batch", "length"))
+        specs = [active_spec(axes) for axes in logical]
+        if not all(splits_evenly(axes, x.shape) for axes, x in zip(logical, args)):
+            specs = None  # e.g. the batch-of-1 trace at init, whose attention output is never used
+    shards = length_shards() if specs else 1
+    places = zigzag_order(length, shards) if balanced and shards > 1 else np.arange(length)
+    kernel = splash_kernel(places, residual_name, h, shards, interpret=_platform() != "tpu")
+    if specs is None:
+        return to_heads_major(run_splash(kernel, *args))
+    length_axes = specs[3][1]
+
+    def local(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ):
+        if shards == 1:
+            return run_splash(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ)
+        gather = lambda x, axis: jax.lax.all_gather(x, length_axes, axis=axis, tiled=True)  # noqa: E731
+        k_BxNxLxK, v_BxNxLxK, segment_ids_BxL = gather(k_BxNxCxK, 2), gather(v_BxNxCxK, 2), gather(segment_ids_BxQ, 1)
+        if balanced:  # back to sequence order
+            k_BxNxLxK, v_BxNxLxK = unzigzag(k_BxNxLxK, 2, shards), unzigzag(v_BxNxLxK, 2, shards)
+            segment_ids_BxL = unzigzag(segment_ids_BxL, 1, shards)
+        return run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL)
+
+    # A Pallas kernel is not partitioned by XLA: run it on each shard; the kernel's block map travels
+    # with it, each device taking its queries' rows.
+    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, PartitionSpec(None, length_axes)))
+    out_BxHxLxK = jax.shard_map(local, in_specs=(kernel_spec, *specs), out_specs=specs[0],
+                                check_vma=False)(kernel, *args)
+    return to_heads_major(out_BxHxLxK)
+
+
+def _platform() -> str:
+    """The platform the step is traced for: the mesh's devices (TPU ones under an ahead-of-time compile
+    for a topology, from a CPU process), else this process's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
+
+
+def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
+    """Each device keeps its queries and gathers the whole sequence's keys and values (the all-gather
+    strategy of MaxText and torchtitan), under shard_map: the attention itself is a device's local
+    computation, as without context parallelism. The causal mask compares positions, not places, so a
+    reordered sequence (zigzag_order) attends exactly as the original. (Left to GSPMD, XLA:CPU ran the
+    partitioned softmax's gradient several times slower.)"""
+    kv_axes, token_axes = ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")
+    logical = (("batch", "length", "heads", "head_dim"), kv_axes, kv_axes, token_axes, token_axes)
+    specs = tuple(active_spec(axes) for axes in logical)
+    q_spec, tokens = specs[0], specs[3]
+    args = (q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+    if not all(splits_evenly(axes, x.shape) for axes, x in zip(logical, args)):
+        # the batch-of-1 trace at init, whose attention output is never used
+        return attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [(0, q_BxLxHxK.shape[1], document_mask(
+            positions_BxL, positions_BxL, segment_ids_BxL, segment_ids_BxL))])
+
+    def local(q_BxQxHxK, k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ):
+        gather = lambda x: jax.lax.all_gather(x, tokens[1], axis=1, tiled=True)  # noqa: E731
+        mask_Bx1xQxM = document_mask(positions_BxQ, gather(positions_BxQ), segment_ids_BxQ, gather(segment_ids_BxQ))
+        return attend_blocks(q_BxQxHxK, gather(k_BxCxNxK), gather(v_BxCxNxK),
+                              [(0, q_BxQxHxK.shape[1], mask_Bx1xQxM)])
+    return jax.shard_map(local, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)

@@ -1,0 +1,101 @@
+"""The execution plan: how the model's layers run, resolved once from the config (and, through it, the
+devices and the mesh). The model says what to compute with logical axis names; it asks the plan for
+attention, the embedding lookup, the experts' work, chunks of positions, remat and the scan's unroll,
+and never sees the mesh or shard_map.
+
+A plan is frozen and hashable (a field of model.ModelArgs). `Plan.from_resolved` takes a config resolved
+for the devices (maxtrain.resolve); `Plan.single_device` takes a config as loaded, its auto values as the
+reference choices (dot_product attention, no chunks, the scan's loop, the blocked grouped matmul), which
+is all a unit test on one device needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.linen as nn
+import jax
+
+from maxtrain import attention, remat
+from maxtrain.parallel import chunks, context, embedding, experts
+from maxtrain.parallel.rules import length_shards
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    attention: str = "dot_product"  # a kernel of attention.KERNELS, or splash
+    mlp_chunk: int = 0  # positions per chunk of a dense MLP; 0 = the whole sequence at once
+    moe_chunk: int = 0  # the same for an MoE layer's experts
+    moe_grouped_matmul: str = "blocked"  # megablox | ragged_dot | blocked (moe.grouped_matmul)
+    remat_policy: str = "none"  # a name in remat.POLICIES
+    scan_unroll: int = 1  # layers per iteration of the scanned loop
+    context_load_balance: bool = False  # under context parallelism the batch is in attention.zigzag_order
+
+    @classmethod
+    def from_resolved(cls, c) -> "Plan":
+        """The plan of a config resolved for the devices: every value already chosen."""
+        return cls(attention=c.attention, mlp_chunk=c.mlp_chunk_size, moe_chunk=c.moe_chunk_size,
+                   moe_grouped_matmul=c.moe_grouped_matmul, remat_policy=c.remat_policy, scan_unroll=c.scan_unroll,
+                   context_load_balance=c.context_parallel_load_balance)
+
+    @classmethod
+    def single_device(cls, c) -> "Plan":
+        """The plan of a config as loaded (no devices known): explicit values as given, auto ones the
+        reference choices."""
+        reference = cls()
+        chunk = max(c.mlp_chunk_size, 0)
+        return cls(attention=reference.attention if c.attention == "auto" else c.attention,
+                   mlp_chunk=chunk, moe_chunk=chunk,
+                   moe_grouped_matmul=(reference.moe_grouped_matmul if c.moe_grouped_matmul == "auto"
+                                       else c.moe_grouped_matmul),
+                   remat_policy=c.remat_policy, scan_unroll=max(c.scan_unroll, reference.scan_unroll),
+                   context_load_balance=c.context_parallel_load_balance)
+
+    # ---- what a layer asks
+
+    def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
+        """Causal, same-document attention [B,L,H,K] by the planned kernel; under context parallelism
+        (the sequence split over devices) every kernel but splash gives way to context_parallel."""
+        if self.attention == "splash":
+            return context.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
+                                  self.context_load_balance)
+        if length_shards() > 1:
+            return context.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+        return attention.KERNELS[self.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
+
+    def embed(self, embedding_VxD, tokens_BxL, dtype):
+        return embedding.lookup(embedding_VxD, tokens_BxL, dtype)
+
+    def expert_mlp(self, x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None):
+        """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh."""
+        return experts.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap, self.moe_grouped_matmul,
+                                  self.moe_chunk, self.remat_policy)
+
+    def mlp(self, fn: Callable, x_BxLxD):
+        """fn(x) for a position-wise fn; with mlp_chunk, `mlp_chunk` of each device's positions at a time,
+        each chunk rematerialized under the layer's policy, so the [B,L,F] intermediates (and their
+        gradients) exist one chunk at a time."""
+        share = x_BxLxD.shape[1] // length_shards()  # each device's positions
+        chunk = self.mlp_chunk
+        if not chunk or share % chunk or share == chunk:
+            return fn(x_BxLxD)
+        if self.remat_policy != "none":
+            fn = jax.checkpoint(fn, policy=remat.POLICIES[self.remat_policy])
+        return chunks.merge_chunks(jax.lax.map(fn, chunks.split_chunks(x_BxLxD, chunk)))
+
+    def positions_order(self, length: int):
+        """The places of a sequence's positions in the batch's layout (zigzag_order under load-balanced
+        context parallelism), or None where the batch is in sequence order."""
+        shards = length_shards()
+        return attention.zigzag_order(length, shards) if self.context_load_balance and shards > 1 else None
+
+    def remat(self, layer: type[nn.Module], scanned: bool):
+        """The layer class rematerialized under the policy (unchanged under none)."""
+        if self.remat_policy == "none":
+            return layer
+        return nn.remat(layer, policy=remat.POLICIES[self.remat_policy], prevent_cse=not scanned)
+
+    def unroll(self, layers: int) -> int:
+        """Layers per iteration of a scanned stack of `layers`."""
+        return min(self.scan_unroll, layers)
