@@ -19,6 +19,7 @@ import yaml
 
 from maxtrain import quantization, run_name as run_name_lib, storage, yaml_file
 from maxtrain.errors import UserError
+from maxtrain.models import registry
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 BASE_YML = CONFIG_DIR / "base.yml"
@@ -465,29 +466,11 @@ def no_effect_warnings(c: Mapping[str, Any]) -> list[str]:
 # Derived values
 
 
-def count_params(c: Mapping[str, Any], active: bool = False) -> int:
-    """Parameter count from the model shape (checked against the real model in tests); `active`: those a
-    token uses, i.e. of the routed experts only its top-k (the FLOPs count these, as MaxText's)."""
-    d, h, kv, hd = c["base_emb_dim"], c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
-    attention = d * hd * (2 * h + 2 * kv) + 2 * d
-    attention += hd * (h + 2 * kv) if c["qkv_bias"] else 0
-    attention += 2 * hd if c["use_qk_norm"] else 0
-    dense_layers, moe_layers = c["base_num_decoder_layers"], 0
-    moe = 0
-    if c["num_experts"] > 1:
-        dense_layers, moe_layers = c["first_num_dense_layers"], c["base_num_decoder_layers"] - c["first_num_dense_layers"]
-        routed = c["num_experts_per_tok"] if active else c["num_experts"]
-        moe = d * c["num_experts"] + 3 * d * c["moe_mlp_dim"] * (routed + c["shared_experts"])
-        moe += c["num_experts"] if c["routed_bias"] and not active else 0
-    embeddings = c["vocab_size"] * d * (1 if c["logits_via_embedding"] else 2)
-    return (dense_layers * (attention + 3 * d * c["base_mlp_dim"]) + moe_layers * (attention + moe)
-            + embeddings + d)
-
-
 def _derive_static(c: dict[str, Any]) -> dict[str, Any]:
     if c["learning_rate_schedule_steps"] == -1:
         c["learning_rate_schedule_steps"] = c["steps"]
     c["moe_mlp_dim"] = c["base_mlp_dim"] if c["base_moe_mlp_dim"] == -1 else c["base_moe_mlp_dim"]
-    c["num_params"] = count_params(c)
-    c["num_active_params"] = count_params(c, active=True)
+    spec = registry.spec_for(c)  # the model's family counts its parameters
+    c["num_params"] = spec.count_params(c, False)
+    c["num_active_params"] = spec.count_params(c, True)
     return c

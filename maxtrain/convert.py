@@ -1,5 +1,7 @@
 """HuggingFace <-> maxtrain parameter checkpoints for the Llama family (Llama, Mistral without sliding
-window, Qwen2) and its mixtures of experts (Mixtral, Qwen3-MoE); the HF layouts and config mapping are in
+window, Qwen2), its mixtures of experts (Mixtral, Qwen3-MoE) and the other families in maxtrain/models.
+
+Each family's HF layout and config mapping is in its module in maxtrain/models; the file machinery in
 maxtrain.hf_format.
 
     python -m maxtrain.convert hf_to_maxtrain --hf_dir DIR --out DIR [--config x.yml] [key=value ...]
@@ -26,7 +28,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -36,9 +37,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain import checkpoint as ckpt_lib
 from maxtrain import cli_help, config as config_lib, digest as digest_lib, errors, export_tokenizer, platform_env, storage
-from maxtrain.hf_format import (FUSED_EXPERTS_NAME, HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_config_for,
-                                hf_kind, hf_names, model_keys_from_hf, read_json, tensor_table, tokenizer_settings)
-from maxtrain.model import ModelArgs
+from maxtrain.hf_format import (HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_names, read_json,
+                                tokenizer_settings)
+from maxtrain.models import registry, stacks as stacks_lib
+from maxtrain.models.hf import (FUSED_EXPERTS_NAME, hf_config_for, hf_kind, model_keys_from_hf, tensor_table,
+                                with_defaults)
 from maxtrain.staging import check_out, staged, unwritable
 
 
@@ -53,15 +56,8 @@ logging.getLogger("absl").addFilter(_QuietStepMetadata())
 
 
 def layer_stacks(m) -> list[tuple[str, list[int]]]:
-    """(name of the scanned stack, the layers in it) as the model lays them out (ModelArgs.stacks) for model
-    keys `m`: `layers`, or an MoE model's `moe_layers`."""
-    args = SimpleNamespace(num_experts=m["num_experts"], layers=m["base_num_decoder_layers"],
-                           first_dense_layers=m["first_num_dense_layers"])
-    stacks, first = [], 0
-    for name, count, _ in ModelArgs.stacks(args):
-        stacks.append((name, list(range(first, first + count))))
-        first += count
-    return stacks
+    """(name of the scanned stack, the layers in it) as the model's family lays them out for model keys `m`."""
+    return [(s.name, list(s.layers)) for s in registry.spec_for(m).stacks(m)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +89,7 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
                 raise ConvertError(f"{key}: {config_path} says {base[key]!r}, {hf_path}/config.json implies {value!r}")
     c = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides,
                          *(f"{k}={_as_override(v)}" for k, v in hf_keys.items())])
-    tokenizer = tokenizer_settings(hf_path, hf, out_path / "hf")
+    tokenizer = tokenizer_settings(hf_path, with_defaults(hf), out_path / "hf")
 
     reader = SafetensorsDir(hf_path)
     whole, layer = tensor_table(hf_keys, fused_experts=c.num_experts > 1 and FUSED_EXPERTS_NAME in reader.shapes)
@@ -173,7 +169,7 @@ def read_hf_params(reader: SafetensorsDir, c: config_lib.Config, whole: list[Ten
                 _put(params, (stack, *t.path), load(t, layers, stack=True))
             else:
                 for i in layers:
-                    _put(params, (f"layers_{i}", *t.path), load(t, [i], stack=False))
+                    _put(params, (stacks_lib.unrolled(i), *t.path), load(t, [i], stack=False))
     return params
 
 
@@ -303,7 +299,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
                         yield from split(t, i, stacked[j])
             else:
                 for i in layers:
-                    params_i = ckpt.read(f"layers_{i}")
+                    params_i = ckpt.read(stacks_lib.unrolled(i))
                     for t in layer:
                         yield from split(t, i, _get(params_i, t.path))
 

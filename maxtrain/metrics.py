@@ -13,6 +13,7 @@ import numpy as np
 
 from maxtrain import progress
 from maxtrain.config import Config
+from maxtrain.models import registry
 
 # Dense (not 2:4 sparse) bf16 peak TFLOP/s per device, matched by words of jax's device_kind, most specific
 # first. jax names a v5e "TPU v5 lite", a v6e "TPU v6 lite", a v5p "TPU v5"; an H100 SXM "NVIDIA H100 80GB HBM3".
@@ -25,19 +26,9 @@ PEAK_TFLOPS = (
 
 
 def forward_flops(c: Config, tokens: int, causal: bool = True) -> float:
-    """Matmul FLOPs of one forward pass over `tokens` tokens of length max_target_length (MaxText's
-    formula: 2 x multiply-adds of every projection, plus attention scores and context). An MoE layer
-    counts the experts a token uses (top-k and shared) and its router, as MaxText does."""
-    d, h, kv, hd, f = c.base_emb_dim, c.base_num_query_heads, c.base_num_kv_heads, c.head_dim, c.base_mlp_dim
-    projections = 2 * d * hd * (h + 2 * kv) + 2 * d * hd * h
-    attention = 4 * c.max_target_length * h * hd * (0.5 if causal else 1.0)  # QK^T and PV, per token
-    dense, moe = c.base_num_decoder_layers, 0
-    if c.num_experts > 1:
-        dense, moe = c.first_num_dense_layers, c.base_num_decoder_layers - c.first_num_dense_layers
-    experts = 2 * 3 * d * c.moe_mlp_dim * (c.num_experts_per_tok + c.shared_experts) + 2 * d * c.num_experts
-    per_token = (dense * (projections + attention + 2 * 3 * d * f) + moe * (projections + attention + experts)
-                 + 2 * d * c.vocab_size)
-    return float(per_token * tokens)
+    """Matmul FLOPs of one forward pass over `tokens` tokens of length max_target_length, as the model's
+    family counts them per token (MaxText's formula; an MoE layer counts the experts a token uses)."""
+    return float(registry.spec_for(c).flops_per_token(c, c.max_target_length, causal, True) * tokens)
 
 
 def train_flops_per_step(c: Config) -> float:

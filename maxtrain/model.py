@@ -21,6 +21,7 @@ from maxtrain.config import padded_vocab
 from maxtrain.parallel.plan import Plan
 from maxtrain.parallel.rules import constrain
 from maxtrain.resolve import Resolved
+from maxtrain.models import stacks as stacks_lib
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
@@ -79,12 +80,9 @@ class ModelArgs:
         return padded_vocab(self.vocab)
 
     def stacks(self) -> list[tuple[str, int, bool]]:
-        """(name, layers, is MoE) of each layer stack: `layers` for a dense model; an MoE model's leading
-        dense layers (`dense_layers`, if any) and then its `moe_layers`. Unrolled, layer i is `layers_<i>`."""
-        if self.num_experts == 1:
-            return [("layers", self.layers, False)]
-        dense = [("dense_layers", self.first_dense_layers, False)] if self.first_dense_layers else []
-        return dense + [("moe_layers", self.layers - self.first_dense_layers, True)]
+        """(name, layers, is MoE) of each layer stack (maxtrain.models.stacks names them)."""
+        return [(s.name, s.count, s.moe) for s in stacks_lib.stacks(self.layers, self.num_experts,
+                                                                     self.first_dense_layers)]
 
 
 def dense_init(fan_in_axes: tuple[int, ...]):
@@ -262,7 +260,7 @@ class Decoder(nn.Module):
                 x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL)
             else:
                 for i in range(first, first + count):
-                    x_BxLxD, _ = layer(a, is_moe, name=f"layers_{i}")(x_BxLxD, positions_BxL, segment_ids_BxL)
+                    x_BxLxD, _ = layer(a, is_moe, name=stacks_lib.unrolled(i))(x_BxLxD, positions_BxL, segment_ids_BxL)
             first += count
 
         x_BxLxD = RMSNorm(a, name="final_norm")(x_BxLxD)
@@ -298,7 +296,7 @@ def unstack_layers(params: dict, args: ModelArgs) -> dict:
     for name, count, _ in args.stacks():
         stacked = params.pop(name)
         for i in range(count):
-            params[f"layers_{first + i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+            params[stacks_lib.unrolled(first + i)] = jax.tree.map(lambda x, i=i: x[i], stacked)
         first += count
     return params
 
@@ -307,7 +305,7 @@ def stack_layers(params: dict, args: ModelArgs) -> dict:
     """Unrolled layout -> scanned layout: each stack with a leading `layers` axis."""
     params, first = dict(params), 0
     for name, count, _ in args.stacks():
-        layers = [params.pop(f"layers_{i}") for i in range(first, first + count)]
+        layers = [params.pop(stacks_lib.unrolled(i)) for i in range(first, first + count)]
         params[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
         first += count
     return params

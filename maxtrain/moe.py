@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtrain.models import stacks as stacks_lib
+
 # Logical names of the expert weights' dimensions and of the activations the block reads.
 EXPERT_WEIGHT_AXES = ("experts", "embed", "moe_mlp")
 ACTIVATION_AXES = ("batch", "length", "embed")
@@ -236,9 +238,9 @@ def collect(intermediates, name: str):
     """The recorded `name` of every MoE layer, in layer order, stacked: [moe layers, ...]; None if none."""
     found = []
     for path, value in traverse_util.flatten_dict(intermediates).items():
-        if path[-1] == name:  # scanned stacks carry a leading layers axis; unrolled layers are layers_<i>
-            index = int(path[0].removeprefix("layers_")) if path[0].startswith("layers_") else -1
-            found.append((index, value[0] if index == -1 else value[0][None]))
+        if path[-1] == name:  # scanned stacks carry a leading layers axis; unrolled layers are one each
+            index = stacks_lib.unrolled_index(path[0])
+            found.append((-1, value[0]) if index is None else (index, value[0][None]))
     return jnp.concatenate([v for _, v in sorted(found, key=lambda item: item[0])]) if found else None
 
 

@@ -1,4 +1,5 @@
-"""optax chain: clip by global norm -> AdamW (decay masked off norms and biases), warmup + decay schedule."""
+"""optax chain: clip by global norm -> AdamW (decay masked as the model's family says: off norms and biases),
+warmup + decay schedule; parameters the family does not train get no update."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from maxtrain.config import Config
+from maxtrain.models import registry
 
 
 def learning_rate_schedule(c: Config) -> optax.Schedule:
@@ -25,19 +27,20 @@ def learning_rate_schedule(c: Config) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
-NO_DECAY = ("scale", "bq", "bk", "bv")  # norm scales and attention biases
-
-
-def decay_mask(params):
-    """Weight decay on matrices only: norm scales and biases are exempt."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY, params)
+def only_trained(inner: optax.GradientTransformation, trained) -> optax.GradientTransformation:
+    """`inner` with zero updates for the parameters that are not trained (`trained(params)`: a tree of
+    bools), whatever their gradients or weight decay; its state is inner's, so checkpoints keep their layout."""
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, state, params)
+        return jax.tree.map(lambda u, t: u if t else jnp.zeros_like(u), updates, trained(updates)), state
+    return optax.GradientTransformation(inner.init, update)
 
 
 def make_optimizer(c: Config) -> optax.GradientTransformation:
+    spec = registry.spec_for(c)  # the model's family says which parameters train and which decay
     adamw = optax.adamw(learning_rate_schedule(c), b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
                         weight_decay=c.adam_weight_decay, mu_dtype=jnp.dtype(c.mu_dtype),
-                        mask=decay_mask)
+                        mask=spec.decayed)
     if c.gradient_clipping_threshold > 0:
-        return optax.chain(optax.clip_by_global_norm(c.gradient_clipping_threshold), adamw)
-    return adamw
+        adamw = optax.chain(optax.clip_by_global_norm(c.gradient_clipping_threshold), adamw)
+    return only_trained(adamw, spec.trained)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from maxtrain.errors import UserError
+from maxtrain.models import registry
 
 # mode: (forward weights and activations, backward gradients; None: the backward in the compute dtype)
 MODES = {
@@ -53,21 +54,6 @@ def validate(c: dict[str, Any], error: type[UserError]) -> None:
                     "attention=splash, blockwise or dot_product, or quantization_targets=mlp")
 
 
-def module_paths(c) -> dict[str, str]:
-    """The module-path pattern of each target. An MoE model's routed experts run through grouped-matmul
-    kernels Qwix does not intercept: `mlp` there quantizes the leading dense layers' MLPs and the shared
-    experts (`<stack>/mlp/shared`)."""
-    paths = {"attention": r"[^/]+/attention"}
-    if c.num_experts == 1:
-        paths["mlp"] = r"layers(_\d+)?/mlp"
-    else:
-        dense = [f"layers_{i}" for i in range(c.first_num_dense_layers)]
-        if c.scan_layers:
-            dense = ["dense_layers"] if c.first_num_dense_layers else []
-        paths["mlp"] = "|".join([f"{stack}/mlp" for stack in dense] + [r"[^/]+/mlp/shared"])
-    return paths
-
-
 def quantize(model, c):
     """The model with its matmuls quantized as the config says (the model itself if not)."""
     if not c.quantization:
@@ -75,7 +61,7 @@ def quantize(model, c):
     import qwix  # only quantized runs load it
 
     forward, backward = MODES[c.quantization]
-    paths = module_paths(c)
+    paths = registry.spec_for(c).quantization_paths(c)  # the family knows its modules
     rules = [qwix.QtRule(module_path=paths[t], weight_qtype=forward, act_qtype=forward, bwd_qtype=backward,
                          op_names=("einsum",))
              for t in targets(c) if t in paths]

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxtrain import attention, loss, mesh as mesh_lib, moe, quantization
 from maxtrain.config import Config
 from maxtrain.data import BATCH_DTYPES
-from maxtrain.model import Decoder, ModelArgs
+from maxtrain.model import Decoder
+from maxtrain.models import registry
 from maxtrain.optimizer import learning_rate_schedule, make_optimizer
 from maxtrain.parallel import rules as rules_lib
 
@@ -106,7 +107,7 @@ class Trainer:
 
 
 def build(c: Config, mesh) -> Trainer:
-    model = quantization.quantize(Decoder(ModelArgs.from_config(c)), c)
+    model = quantization.quantize(registry.spec_for(c).build(c), c)
     tx = make_optimizer(c)
     rules = rules_lib.axis_rules(c)
     dummy_tokens = jnp.zeros((1, c.max_target_length), jnp.int32)

@@ -1,22 +1,26 @@
 """HF import reads a config.json as transformers does: a key the file leaves out takes the default of the
 family's transformers config class. maxtrain.convert must not need transformers, so the defaults are a
-table (hf_format.HF_DEFAULTS); these tests hold it to transformers' own."""
+table (each family's HFType.defaults in maxtrain.models); these tests hold it to transformers' own."""
 
 import dataclasses
 
 import pytest
 
-from maxtrain import hf_format
-from maxtrain.hf_format import HF_DEFAULTS, ConvertError, model_keys_from_hf
+from maxtrain.hf_format import ConvertError
+from maxtrain.models import hf as hf_format, registry
+from maxtrain.models.hf import model_keys_from_hf
+
+HF_DEFAULTS = hf_format.hf_defaults()
+SUPPORTED = hf_format.supported()
 
 transformers = pytest.importorskip("transformers")
 
-CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "mixtral": "MixtralConfig",
-           "qwen3_moe": "Qwen3MoeConfig"}
+CLASSES = {kind: t.config_class for kind, t in registry.hf_types().items()}  # each family names its class
 
 
 def test_every_supported_family_has_a_table():
-    assert set(HF_DEFAULTS) == set(hf_format.SUPPORTED) == set(CLASSES)
+    assert set(HF_DEFAULTS) == set(SUPPORTED) == set(CLASSES)
+    assert {"llama", "mistral", "qwen2", "mixtral", "qwen3_moe"} <= set(SUPPORTED)
 
 
 @pytest.mark.parametrize("kind", list(CLASSES))

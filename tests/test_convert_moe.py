@@ -19,7 +19,8 @@ from safetensors.torch import load_file as load_torch, save_file
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from maxtrain import checkpoint as ckpt_lib, config as config_lib, convert, generate, hf_format
+from maxtrain import checkpoint as ckpt_lib, config as config_lib, convert, generate
+from maxtrain.models import hf as hf_format
 from maxtrain import mesh as mesh_lib, step as step_lib, train
 
 from conftest import TESTS

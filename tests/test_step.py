@@ -7,7 +7,8 @@ import optax
 import pytest
 
 from maxtrain import data, loss as loss_lib, mesh as mesh_lib, step as step_lib
-from maxtrain.optimizer import decay_mask, learning_rate_schedule
+from maxtrain.models import registry
+from maxtrain.optimizer import learning_rate_schedule
 
 
 def one_step(c, devices):
@@ -94,7 +95,7 @@ def test_masked_targets_do_not_count(tiny_config):
 def test_weight_decay_skips_norm_scales():
     params = {"layers": {"attention_norm": {"scale": jnp.ones(3)}, "mlp": {"wo": jnp.ones((3, 3))}},
               "embedding": jnp.ones((4, 3))}
-    mask = decay_mask(params)
+    mask = registry.family("llama").decayed(params)
     assert mask == {"layers": {"attention_norm": {"scale": False}, "mlp": {"wo": True}}, "embedding": True}
 
 

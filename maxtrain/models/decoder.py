@@ -1,0 +1,92 @@
+"""What every family here shares: maxtrain's decoder (maxtrain.model: RMSNorm, RoPE, GQA attention with
+optional q/k/v biases and q/k norms, SwiGLU or a mixture of experts) and the facts that follow from its
+shape. A family module builds its ModelSpec from these and adds what is its own (which configs are
+its, its HF names). The counts are checked against the built modules and transformers in
+tests/test_registry.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maxtrain.model import Decoder, ModelArgs
+from maxtrain.models import stacks as stacks_lib
+from maxtrain.models.registry import Keys
+
+# Norm scales, attention biases and the MoE balancing bias take no weight decay; the balancing bias is
+# moved by the train step's rule (moe.update_router_bias), never by the optimizer.
+NOT_DECAYED = ("scale", "bq", "bk", "bv", "router_bias")
+NOT_TRAINED = ("router_bias",)
+
+
+def args(c) -> ModelArgs:
+    return ModelArgs.from_config(c)
+
+
+def build(c) -> Decoder:
+    return Decoder(ModelArgs.from_config(c))
+
+
+def moe_width(m: Keys) -> int:
+    """Each expert's SwiGLU width (base_moe_mlp_dim; -1 = base_mlp_dim)."""
+    return m["base_mlp_dim"] if m["base_moe_mlp_dim"] == -1 else m["base_moe_mlp_dim"]
+
+
+def _layer_counts(m: Keys) -> tuple[int, int]:
+    """(dense layers, MoE layers)."""
+    dense = sum(s.count for s in stacks_lib.for_keys(m) if not s.moe)
+    return dense, m["base_num_decoder_layers"] - dense
+
+
+def count_params(m: Keys, active: bool = False) -> int:
+    """Parameters of the model, the padding of the vocabulary left out; `active`: those a token uses, i.e.
+    of the routed experts only its top-k (the FLOPs count these, as MaxText's), and no balancing bias."""
+    d, h, kv, hd = m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"]
+    attention = d * hd * (2 * h + 2 * kv) + 2 * d
+    attention += hd * (h + 2 * kv) if m["qkv_bias"] else 0
+    attention += 2 * hd if m["use_qk_norm"] else 0
+    dense_layers, moe_layers = _layer_counts(m)
+    moe = 0
+    if moe_layers:
+        routed = m["num_experts_per_tok"] if active else m["num_experts"]
+        moe = d * m["num_experts"] + 3 * d * moe_width(m) * (routed + m["shared_experts"])
+        moe += m["num_experts"] if m["routed_bias"] and not active else 0
+    embeddings = m["vocab_size"] * d * (1 if m["logits_via_embedding"] else 2)
+    return (dense_layers * (attention + 3 * d * m["base_mlp_dim"]) + moe_layers * (attention + moe)
+            + embeddings + d)
+
+
+def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = True) -> float:
+    """Matmul FLOPs of one token's forward pass in a sequence of `length` (MaxText's formula: 2 x
+    multiply-adds of every projection, plus attention scores and context). An MoE layer counts its
+    router and the experts a token uses (top-k and shared; with active=False, every expert)."""
+    d, h, kv, hd = m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"]
+    f = m["base_mlp_dim"]
+    projections = 2 * d * hd * (h + 2 * kv) + 2 * d * hd * h
+    attention = 4 * length * h * hd * (0.5 if causal else 1.0)  # QK^T and PV, per token
+    dense, moe = _layer_counts(m)
+    routed = m["num_experts_per_tok"] if active else m["num_experts"]
+    experts = 2 * 3 * d * moe_width(m) * (routed + m["shared_experts"]) + 2 * d * m["num_experts"]
+    return (dense * (projections + attention + 2 * 3 * d * f) + moe * (projections + attention + experts)
+            + 2 * d * m["vocab_size"])
+
+
+def quantization_paths(c) -> dict[str, str]:
+    """The module-path regex of each quantization target. An MoE model's routed experts run through
+    grouped-matmul kernels Qwix does not intercept: `mlp` there quantizes the leading dense layers' MLPs
+    and the shared experts (`<stack>/mlp/shared`)."""
+    paths = {"attention": r"[^/]+/attention"}
+    dense: list[str] = []
+    for s in stacks_lib.for_keys(c):
+        if not s.moe:
+            dense += [s.name] if c["scan_layers"] else [stacks_lib.unrolled(i) for i in s.layers]
+    shared = [r"[^/]+/mlp/shared"] if c["num_experts"] > 1 else []
+    paths["mlp"] = "|".join([f"{name}/mlp" for name in dense] + shared)
+    return paths
+
+
+def spec_parts(**extra: Any) -> dict[str, Any]:
+    """ModelSpec fields for maxtrain's decoder; a family adds its name, predicate and HF side."""
+    return dict(args=args, build=build, stacks=stacks_lib.for_keys, count_params=count_params,
+                flops_per_token=flops_per_token, quantization_paths=quantization_paths,
+                not_decayed=NOT_DECAYED, not_trained=NOT_TRAINED) | extra

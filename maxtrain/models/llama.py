@@ -1,0 +1,47 @@
+"""The dense decoder: Llama, Mistral (without a sliding window) and Qwen2 (q/k/v biases) in HF. Every
+dense config is this family's unless a narrower one claims it (Qwen3: q/k norms)."""
+
+from __future__ import annotations
+
+from maxtrain.hf_format import ConvertError
+from maxtrain.models import decoder, hf
+from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
+
+_DEFAULTS = dict(zip(hf.SHAPE, (32000, 4096, 11008, 32, 32, None)))
+
+
+def _hf_kind(m: Keys) -> str:
+    if m["use_qk_norm"]:
+        raise ConvertError("use_qk_norm=true: a dense model with q/k norms (Qwen3) has no HF export here "
+                           "(supported: Llama, Qwen2, Mixtral, Qwen3-MoE)")
+    return "qwen2" if m["qkv_bias"] else "llama"
+
+
+def _sliding_window(config: dict) -> int | None:
+    if config.get("model_type") == "qwen2":
+        return hf.layered_sliding_window(config)
+    return config.get("sliding_window")
+
+
+HF = HFMapping(
+    types={
+        "llama": HFType("LlamaForCausalLM", "LlamaConfig", hf.COMMON | _DEFAULTS | {
+            "head_dim": None, "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2},
+            fresh={"attention_bias": False, "mlp_bias": False}),
+        "mistral": HFType("MistralForCausalLM", "MistralConfig", hf.COMMON | dict(
+            zip(hf.SHAPE, (32000, 4096, 14336, 32, 32, 8))) | {
+            "head_dim": None, "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2}),
+        "qwen2": HFType("Qwen2ForCausalLM", "Qwen2Config", hf.COMMON | dict(
+            zip(hf.SHAPE, (151936, 4096, 22016, 32, 32, 32))) | {
+            "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
+            "bos_token_id": None, "eos_token_id": None},
+            fresh={"use_sliding_window": False, "sliding_window": None}),
+    },
+    keys=lambda config, kind: {"qkv_bias": kind == "qwen2", "use_qk_norm": False, "num_experts": 1},
+    config=lambda m, kind, config: {},
+    mlp_tensors=hf.swiglu_tensors,
+    sliding_window=_sliding_window,
+)
+
+SPEC = register(ModelSpec(name="llama", matches=lambda m: m["num_experts"] == 1, hf_kind=_hf_kind, hf=HF,
+                          **decoder.spec_parts()))

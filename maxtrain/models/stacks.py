@@ -1,0 +1,52 @@
+"""The layer stacks of a decoder and their names: the one place that spells them.
+
+A dense model's layers are one stack, `layers`; a mixture of experts has its leading dense layers
+(`dense_layers`, if any) and then its `moe_layers`. Scanned, each stack is one parameter subtree with a
+leading layers axis; unrolled, layer i (counted over the whole model) is `layers_<i>`. The model, the
+MoE statistics, quantization's module paths and conversion all take the names from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DENSE, DENSE_FIRST, MOE = "layers", "dense_layers", "moe_layers"
+_UNROLLED = "layers_"
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str   # the scanned stack's name
+    first: int  # its first layer's index in the whole model
+    count: int
+    moe: bool   # its MLPs are mixtures of experts
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+def stacks(layers: int, num_experts: int, first_dense_layers: int) -> list[Stack]:
+    if num_experts == 1:
+        return [Stack(DENSE, 0, layers, False)]
+    dense = [Stack(DENSE_FIRST, 0, first_dense_layers, False)] if first_dense_layers else []
+    return dense + [Stack(MOE, first_dense_layers, layers - first_dense_layers, True)]
+
+
+def for_keys(m: Mapping[str, Any]) -> list[Stack]:
+    """The stacks of the model that maxtrain model keys `m` describe."""
+    return stacks(m["base_num_decoder_layers"], m["num_experts"], m["first_num_dense_layers"])
+
+
+def unrolled(i: int) -> str:
+    """Layer i's name when layers are not scanned."""
+    return f"{_UNROLLED}{i}"
+
+
+def unrolled_index(name: str) -> int | None:
+    """i for `layers_<i>`; None for a scanned stack's name (or anything else)."""
+    tail = name.removeprefix(_UNROLLED)
+    return int(tail) if tail != name and tail.isdigit() else None
+
