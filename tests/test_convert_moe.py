@@ -321,7 +321,9 @@ MOE = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true")
     (("routed_scaling_factor=2.5",), "routed_scaling_factor=2.5: neither"),
     (("qkv_bias=true",), "qkv_bias=True: neither"),
     (("norm_topk_prob=false",), "norm_topk_prob=false: Mixtral always renormalises"),
-    (("num_experts=1", "num_experts_per_tok=1", "use_qk_norm=true"), "use_qk_norm=true: a dense model"),
+    # a dense model with q/k norms exports as Qwen3 (maxtrain/models/qwen3.py), which has no q/k/v biases
+    (("num_experts=1", "num_experts_per_tok=1", "use_qk_norm=true", "qkv_bias=true"),
+     "qkv_bias=true: Qwen3 has no q/k/v biases"),
 ])
 def test_export_refuses_what_no_hf_moe_expresses(overrides, expected):
     c = config_lib.load([str(TESTS / "configs" / "tiny.yml"), *MOE, *overrides])
