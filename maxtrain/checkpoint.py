@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from maxtrain.config import MODEL_KEYS, Config, defaults
+from maxtrain.config import MODEL_TRAINING_KEYS, PRESET_KEYS, Config, defaults
 from maxtrain.digest import Corrupt, digest, json_sha256, leaf_signature, verify
 from maxtrain import orbax_quiet, storage
 from maxtrain.errors import NonFiniteState, RunError, UserError
@@ -61,14 +61,14 @@ orbax_quiet.install()
 
 def model_signature(c: Config) -> dict[str, Any]:
     """The model keys, and the training default an export hands on (router_aux_loss_coef)."""
-    return {k: c[k] for k in (*MODEL_KEYS, "load_balance_loss_weight")} | {"scan_layers": c.scan_layers}
+    return {k: c[k] for k in PRESET_KEYS} | {"scan_layers": c.scan_layers}
 
 
 def check_model(saved: dict[str, Any], c: Config, where: str, hint: str = "") -> None:
     ours = model_signature(c)
     saved = {**defaults(), **saved}  # keys added since the checkpoint was written had their default
     diff = [f"{k} (checkpoint {saved.get(k)!r}, config {ours[k]!r})" for k in ours
-            if saved.get(k) != ours[k] and k != "load_balance_loss_weight"]  # that one may change in a fine-tune
+            if saved.get(k) != ours[k] and k not in MODEL_TRAINING_KEYS]
     if diff:
         raise CheckpointError(f"{where}: model shape differs: {'; '.join(diff)}{hint}")
 

@@ -37,7 +37,10 @@ MODEL_KEYS = (
 # Keys that name files or directories: each may be a local path or a URL (maxtrain.storage).
 PATH_KEYS = ("base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
              "load_parameters_path")
-PRESET_KEYS = (*MODEL_KEYS, "load_balance_loss_weight")  # a preset may also give the model's training default
+# Training settings a model carries with it (a preset, an HF config.json, a checkpoint's description: HF's
+# router_aux_loss_coef), which a fine-tune may change: never part of the model's shape.
+MODEL_TRAINING_KEYS = ("load_balance_loss_weight",)
+PRESET_KEYS = (*MODEL_KEYS, *MODEL_TRAINING_KEYS)
 # Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.remat.
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,

@@ -85,7 +85,7 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
     base = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides])
     if config_path:  # the named config must describe this very model
         for key, value in hf_keys.items():
-            if base[key] != value and key != "load_balance_loss_weight":  # a training setting
+            if base[key] != value and key not in config_lib.MODEL_TRAINING_KEYS:
                 raise ConvertError(f"{key}: {config_path} says {base[key]!r}, {hf_path}/config.json implies {value!r}")
     c = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides,
                          *(f"{k}={_as_override(v)}" for k, v in hf_keys.items())])
@@ -200,7 +200,7 @@ class CheckpointParams:
         saved = ckpt_lib.read_model(self.step_dir, "--checkpoint")
         # Keys added since the checkpoint was written had their default (as checkpoint.check_model assumes).
         defaults = config_lib.defaults()
-        self.signature = {k: defaults[k] for k in (*config_lib.MODEL_KEYS, "load_balance_loss_weight")} | saved
+        self.signature = {k: defaults[k] for k in config_lib.PRESET_KEYS} | saved
         missing = [k for k in (*config_lib.MODEL_KEYS, "scan_layers") if k not in self.signature]
         if missing:
             raise ConvertError(f"{checkpoint}: model description lacks {', '.join(missing)} (older maxtrain?)")
@@ -276,8 +276,8 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
     run = None if source_dir else export_tokenizer.run_settings(ckpt.step_dir)  # a model trained from scratch
     if source:
         theirs = model_keys_from_hf(source)
-        # The balancing loss weight is a training setting: the checkpoint's goes out as router_aux_loss_coef.
-        differ = [k for k, v in theirs.items() if k in m and m[k] != v and k != "load_balance_loss_weight"]
+        # A training setting (the balancing loss weight) goes out as the checkpoint has it.
+        differ = [k for k, v in theirs.items() if k in m and m[k] != v and k not in config_lib.MODEL_TRAINING_KEYS]
         if differ:
             raise ConvertError(f"--hf_source {source_dir}: {differ[0]} differs (HF config {theirs[differ[0]]!r}, "
                                f"checkpoint {m[differ[0]]!r})")

@@ -6,7 +6,7 @@ naming the first key that differs from what those two need."""
 from __future__ import annotations
 
 from maxtrain.hf_format import ConvertError
-from maxtrain.models import decoder
+from maxtrain.models import decoder_spec
 from maxtrain.models.registry import Keys, ModelSpec, register
 
 # Keys of an MoE that Mixtral and Qwen3-MoE have only at these values.
@@ -25,4 +25,4 @@ def _hf_kind(m: Keys) -> str:
 
 
 SPEC = register(ModelSpec(name="deepseek", matches=lambda m: m["num_experts"] > 1 and bool(_unplain(m)),
-                          hf_kind=_hf_kind, priority=1, **decoder.spec_parts()))
+                          hf_kind=_hf_kind, priority=1, **decoder_spec.spec_parts()))

@@ -28,7 +28,7 @@ import numpy as np
 from maxtrain.config import padded_vocab
 from maxtrain.hf_format import ConvertError, Tensor
 from maxtrain.models import registry
-from maxtrain.models.decoder import moe_width
+from maxtrain.models.decoder_spec import moe_width
 from maxtrain.models.registry import Keys
 
 # Families HF has and maxtrain does not: why not.

@@ -3,17 +3,13 @@ dense config is this family's unless a narrower one claims it (Qwen3: q/k norms)
 
 from __future__ import annotations
 
-from maxtrain.hf_format import ConvertError
-from maxtrain.models import decoder, hf
+from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
 _DEFAULTS = dict(zip(hf.SHAPE, (32000, 4096, 11008, 32, 32, None)))
 
 
-def _hf_kind(m: Keys) -> str:
-    if m["use_qk_norm"]:
-        raise ConvertError("use_qk_norm=true: a dense model with q/k norms (Qwen3) has no HF export here "
-                           "(supported: Llama, Qwen2, Mixtral, Qwen3-MoE)")
+def _hf_kind(m: Keys) -> str:  # q/k norms: models/qwen3.py claims those configs
     return "qwen2" if m["qkv_bias"] else "llama"
 
 
@@ -44,4 +40,4 @@ HF = HFMapping(
 )
 
 SPEC = register(ModelSpec(name="llama", matches=lambda m: m["num_experts"] == 1, hf_kind=_hf_kind, hf=HF,
-                          **decoder.spec_parts()))
+                          **decoder_spec.spec_parts()))

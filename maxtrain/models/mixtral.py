@@ -5,7 +5,7 @@ w2 [D, F] (down); its experts are intermediate_size wide."""
 from __future__ import annotations
 
 from maxtrain.hf_format import ConvertError
-from maxtrain.models import decoder, hf
+from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
 
@@ -24,7 +24,7 @@ def _keys(config: dict, kind: str) -> dict:
 def _config(m: Keys, kind: str, config: dict) -> dict:
     # its experts are intermediate_size wide (the model's base_mlp_dim, if another, shapes nothing)
     return {"num_local_experts": m["num_experts"], "num_experts_per_tok": m["num_experts_per_tok"],
-            "router_aux_loss_coef": m["load_balance_loss_weight"], "intermediate_size": decoder.moe_width(m)}
+            "router_aux_loss_coef": m["load_balance_loss_weight"], "intermediate_size": decoder_spec.moe_width(m)}
 
 
 HF = HFMapping(
@@ -41,4 +41,4 @@ HF = HFMapping(
 )
 
 SPEC = register(ModelSpec(name="mixtral", matches=lambda m: m["num_experts"] > 1 and not m["use_qk_norm"],
-                          hf_kind=_hf_kind, hf=HF, **decoder.spec_parts()))
+                          hf_kind=_hf_kind, hf=HF, **decoder_spec.spec_parts()))

@@ -6,7 +6,7 @@ narrows the dense family (llama.py): every dense config with q/k norms is Qwen3'
 from __future__ import annotations
 
 from maxtrain.hf_format import ConvertError
-from maxtrain.models import decoder, hf
+from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
 
@@ -30,4 +30,4 @@ HF = HFMapping(
 )
 
 SPEC = register(ModelSpec(name="qwen3", matches=lambda m: m["num_experts"] == 1 and m["use_qk_norm"],
-                          hf_kind=_hf_kind, hf=HF, priority=1, **decoder.spec_parts()))
+                          hf_kind=_hf_kind, hf=HF, priority=1, **decoder_spec.spec_parts()))

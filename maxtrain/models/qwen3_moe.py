@@ -5,7 +5,7 @@ down_proj."""
 from __future__ import annotations
 
 from maxtrain.hf_format import ConvertError
-from maxtrain.models import decoder, hf
+from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
 
@@ -35,7 +35,7 @@ def _config(m: Keys, kind: str, config: dict) -> dict:
     # transformers 5 reads either name (and writes the second); older ones the first
     names = [name for name in ("num_experts", "num_local_experts") if name == "num_experts" or name in config]
     return {name: m["num_experts"] for name in names} | {
-        "moe_intermediate_size": decoder.moe_width(m), "norm_topk_prob": m["norm_topk_prob"],
+        "moe_intermediate_size": decoder_spec.moe_width(m), "norm_topk_prob": m["norm_topk_prob"],
         "num_experts_per_tok": m["num_experts_per_tok"], "router_aux_loss_coef": m["load_balance_loss_weight"]}
 
 
@@ -56,4 +56,4 @@ HF = HFMapping(
 )
 
 SPEC = register(ModelSpec(name="qwen3_moe", matches=lambda m: m["num_experts"] > 1 and m["use_qk_norm"],
-                          hf_kind=lambda m: "qwen3_moe", hf=HF, **decoder.spec_parts()))
+                          hf_kind=lambda m: "qwen3_moe", hf=HF, **decoder_spec.spec_parts()))
