@@ -24,7 +24,7 @@ from maxtrain import cli_help, config as config_lib, errors, fit, platform_env, 
 from maxtrain import mesh as mesh_lib, step as step_lib, tokenizer as tokenizer_lib
 from maxtrain.parallel import rules as rules_lib
 from maxtrain.model import output_logits
-from maxtrain.train import load_config, say
+from maxtrain.startup import load_config, say
 
 
 def choose(logits_V, rng, temperature: float, top_k: int):

@@ -39,6 +39,20 @@ class StepProfiler:
         if self.active and step >= self.last:
             self.stop(state)
 
+    def abandon(self) -> None:
+        """A run that failed inside the traced steps: the trace ends (what it holds is written, quietly), so
+        the process can trace again."""
+        if not self.active:
+            return
+        self.active = False
+        try:
+            jax.profiler.stop_trace()
+            if self._local is not None:
+                storage.upload_tree(self._local, self.directory)
+                storage.rmtree(self._local)
+        except Exception:  # the run is already stopping for the error at hand
+            pass
+
     def stop(self, state=None) -> None:
         if self.active:
             jax.block_until_ready(state)  # the trace must hold the profiled steps' device work

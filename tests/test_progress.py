@@ -12,7 +12,8 @@ import jax
 import pytest
 import yaml
 
-from maxtrain import config, metrics, progress, run_record, step as step_lib, train
+from maxtrain import config, metrics, progress, run_record, step as step_lib
+from maxtrain.training import evaluation
 from conftest import TINY
 from test_faults import CKPT, run_cli
 from test_faults_runtime import read_events
@@ -88,12 +89,12 @@ def test_a_run_says_what_it_does(train_tiny, tmp_path, monkeypatch, capsys):
 
 def test_an_eval_has_its_heartbeat_and_step_n_of_m(train_tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(progress, "HEARTBEAT_SECONDS", 0.1)
-    evaluate = train.evaluate
+    evaluate = evaluation.evaluate
 
     def slow_evaluate(*args):
         time.sleep(0.35)
         return evaluate(*args)
-    monkeypatch.setattr(train, "evaluate", slow_evaluate)
+    monkeypatch.setattr(evaluation, "evaluate", slow_evaluate)
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog.\n\n" * 100)
     train_tiny("dataset_type=text", f"train_files={text}", "vocab_size=259", "eval_split_fraction=0.2", "eval_interval=2",

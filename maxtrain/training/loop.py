@@ -1,0 +1,278 @@
+"""The training loop: step N+1 is queued before step N's metrics are read, so the host's work (logging,
+the data's next batch, checkpoint bookkeeping) overlaps the device's.
+
+One method per duty: read a step's metrics, save, evaluate, roll back, and the end (the data's end, a
+SIGTERM or Ctrl-C, the last step); what the run set up is taken down again in `run`'s finally, however it
+ends.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+
+from maxtrain import config as config_lib, data, errors, fit, mesh as mesh_lib, metrics as metrics_lib
+from maxtrain import metric_writers, profiler as profiler_lib, progress
+from maxtrain import run_dir as run_dir_lib, run_record, step as step_lib
+from maxtrain.interrupts import Preemption
+from maxtrain.startup import say
+from maxtrain.training import evaluation
+from maxtrain.training.guards import NonFiniteGuard
+from maxtrain.training.state import initial_state
+
+
+class TrainLoop:
+    """One run of `c` with `trainer` from its newest checkpoint (or its start) to steps, the data's end or a
+    stop request. `created`: the run directory is this start's, and is removed if a failure leaves it unused.
+    `compiling`: the train step being compiled (a future of (executable, seconds)) since `t_compile`."""
+
+    def __init__(self, c: config_lib.Config, trainer: step_lib.Trainer, batches, make_eval_iterator, run_dir,
+                 created: bool, compiling, t_compile: float):
+        self.c, self.trainer, self.batches, self.make_eval_iterator = c, trainer, batches, make_eval_iterator
+        self.run_dir, self.created, self.compiling, self.t_compile = run_dir, created, compiling, t_compile
+        self.tokens_per_step = c.global_batch_size * c.max_target_length
+        self.flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
+        self.guard = NonFiniteGuard(c)
+        # What run() sets up, in order; its finally takes down whichever exist.
+        self.checkpointer = self.writer = self.preemption = self.profiler = None
+        self.state = self.train_step = self.peak = self.start_data = None
+        self.first_step = 0
+        self.t_start = self.last_time = 0.0  # last_time, last_step: where the current step-time window began
+        self.last_step = 0
+        self.recent_seconds = None  # the last window's time per step, for the ETA
+        self.saved_step = self.evaluated_step = None
+        self.preempted = self.exhausted = self.rolled_back = False
+        self.history, self.eval_history = [], []
+
+    def run(self) -> dict:
+        """Trains; returns per-step losses and the final state."""
+        finished = False
+        try:
+            if self.c.enable_checkpointing:
+                # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
+                from maxtrain import checkpoint as ckpt_lib
+                self.checkpointer = ckpt_lib.Checkpointer(self.c)
+            self.start_data = self.batches.get_state()  # where a rollback with no checkpoint restarts the data
+            with mesh_lib.activate(self.trainer.mesh, self.trainer.rules):
+                self.start()
+                self.loop()
+                self.end_of_data()
+            if self.checkpointer is not None:
+                with progress.heartbeat("waiting for the last checkpoint to be written"):
+                    self.checkpointer.close()  # waits until every pending save is durable
+            finished = True
+        finally:
+            # The exception under way, if any (held in no local: it would keep this frame and the run's
+            # arrays alive until the garbage collector runs).
+            self.clean_up(None if finished else sys.exc_info()[1])
+        return self.report()
+
+    def start(self) -> None:
+        """The state (restored, loaded or new) while the step compiles; the metrics writer; the step."""
+        c = self.c
+        with progress.heartbeat("initializing the state and compiling the train step", since=self.t_compile) as beat:
+            self.state = initial_state(c, self.trainer, self.checkpointer, self.batches)
+            t_state = time.perf_counter() - self.t_compile
+            record = run_record.record(c, self.run_dir, int(self.state.step))
+            run_dir_lib.write_config(c, self.run_dir, record)
+            self.writer = metric_writers.MetricsWriter(self.run_dir, metric_writers.backends(c), int(self.state.step),
+                                                       record)
+            beat.what = "compiling the train step"
+            self.train_step, compile_seconds = self.compiling.result()
+        fit.check_compiled(self.train_step, self.trainer.mesh)  # before the first batch is made
+        jax.block_until_ready(self.state)
+        say(f"train step compiled in {compile_seconds:.1f} s; state ready in {t_state:.1f} s")
+        # Only now: on CPU the MFU denominator is a matmul probe, which beside the compile read a
+        # third of the machine's rate. A finished run: no probe.
+        self.peak = metrics_lib.peak_tflops_per_device(c) if int(self.state.step) < c.steps else None
+        if self.peak is not None:
+            say(self.peak.describe())
+        self.preemption = Preemption()  # from here a SIGTERM is a step to save at
+        self.profiler = profiler_lib.StepProfiler(c, self.run_dir)
+        self.t_start = time.perf_counter()
+        self.first_step = int(self.state.step)
+        self.last_time, self.last_step = self.t_start, self.first_step
+        self.saved_step = self.checkpointer.latest_step() if self.checkpointer is not None else None
+
+    def loop(self) -> None:
+        """Dispatches step after step; a step's metrics are read once the next is queued, unless a save, an
+        eval or the end waits for the step anyway."""
+        c, step, pending = self.c, self.first_step, None
+        while step < c.steps:
+            if self.checkpointer is not None:
+                self.checkpointer.poll()  # a failed background save stops the run now
+            try:
+                batch = next(self.batches)
+            except StopIteration:
+                say(f"data exhausted after num_epochs={c.num_epochs} at step {step}")
+                self.exhausted = True
+                break
+            self.profiler.before_step(step + 1)
+            self.state, device_metrics = self.train_step(self.state, batch)
+            step += 1
+            self.profiler.after_step(step, self.state)
+            self.preempted = self.preemption.reached(step)
+            must_save = self.checkpointer is not None and (self.preempted or step == c.steps or
+                                                           self.checkpointer.due(step))
+            must_eval = bool(self.make_eval_iterator and c.eval_interval and
+                             (step % c.eval_interval == 0 or step == c.steps))
+            to_read = [pending] if pending is not None else []
+            pending = (step, device_metrics)
+            if must_save or must_eval or self.preempted or step == c.steps:  # these wait for it anyway: check it first
+                to_read.append(pending)
+                pending = None
+            bad_step = next((item[0] for item in to_read if self.read(*item) == "rollback"), None)
+            if bad_step is None and must_save and self.save(step) == "rollback":
+                bad_step = step
+            if bad_step is not None:
+                step = self.roll_back(bad_step)
+                pending = None
+                if self.preempted:
+                    break  # the checkpoint just restored is where a rerun resumes
+                continue
+            if must_eval:
+                self.evaluate(step)
+            if self.preempted:
+                break
+        if pending is not None and self.read(*pending) == "rollback":
+            self.roll_back(pending[0])  # the last step was bad: end at the good state before it
+        self.profiler.stop(self.state)  # the run ended inside the traced steps
+
+    def eta(self, step_done: int) -> float | None:
+        return self.recent_seconds * (self.c.steps - step_done) if self.recent_seconds is not None else None
+
+    def last_trusted(self) -> str:
+        return self.checkpointer.last_trusted() if self.checkpointer is not None else "checkpointing is off"
+
+    def read(self, step_done: int, device_metrics) -> str | None:
+        """Blocks until step `step_done` finished (the next one is already queued); logs it. Returns
+        None, or the non-finite policy's action for it ("skip" / "rollback"; "stop" raises)."""
+        c = self.c
+        m = {k: v.tolist() if v.ndim else float(v) for k, v in jax.device_get(device_metrics).items()}
+        bad = m["nonfinite"] > 0
+        m["nonfinite_steps"] = self.guard.count + bad
+        self.history.append(m["loss"])
+        if self.checkpointer is not None:
+            self.checkpointer.observe(step_done, m["loss"], not bad)
+        now = time.perf_counter()
+        first = len(self.history) == 1 and not self.rolled_back  # warm-up is kept out of later step-time windows
+        if first:
+            say(f"first step took {now - self.t_start:.1f} s")
+        if not bad and step_done % c.log_period and step_done != c.steps and not first:
+            return None
+        seconds = (now - self.last_time) / max(step_done - self.last_step, 1)
+        self.last_time, self.last_step = now, step_done
+        if not first:  # the first step's time is mostly compiling and warm-up: no base for an ETA
+            self.recent_seconds = seconds
+        tflops = self.flops_per_device / seconds / 1e12
+        mfu, note = self.peak.mfu(tflops)
+        if note:
+            say(note)
+        m.update(step_seconds=seconds, tokens_per_second=self.tokens_per_step / seconds, tflops_per_device=tflops,
+                 **({"mfu": mfu} if mfu is not None else {}))
+        say(metrics_lib.format_line(step_done, c.steps, m, self.eta(step_done)))
+        self.writer.write(step_done, m)
+        return self.guard.on_bad_step(step_done, self.last_trusted()) if bad else None
+
+    def save(self, step_done: int) -> str | None:
+        """None, or (the state is not finite: an update overflowed it; nothing saved) the policy's action."""
+        t0 = time.perf_counter()
+        try:
+            with progress.heartbeat(f"saving checkpoint {step_done}"):
+                # the data state is gathered only here
+                self.checkpointer.save(step_done, self.state, self.batches.get_state())
+        except errors.NonFiniteState as e:
+            say(f"{e}: not saved")
+            return self.guard.on_bad_step(step_done, self.last_trusted())
+        finally:
+            self.last_time += time.perf_counter() - t0  # keep the save out of the step-time window
+        self.saved_step = step_done
+        return None
+
+    def evaluate(self, step_done: int) -> None:
+        c, t0 = self.c, time.perf_counter()
+        with progress.heartbeat(f"evaluating at {metrics_lib.step_of(step_done, c.steps)}"):
+            e = evaluation.evaluate(c, self.trainer, self.state.params, self.make_eval_iterator)
+        self.last_time += time.perf_counter() - t0  # keep eval out of the step-time window
+        self.evaluated_step = step_done
+        self.eval_history.append(e["loss"])
+        say(metrics_lib.format_eval_line(step_done, c.steps, e, time.perf_counter() - t0, self.eta(step_done)))
+        self.writer.write(step_done, e, prefix="eval")
+
+    def roll_back(self, bad_step: int) -> int:
+        """The newest checkpoint (or the start), then past the batches from it up to `bad_step`. Returns the
+        step it is back at."""
+        self.state = None  # free it before the restore allocates another
+        with progress.heartbeat(f"restoring the newest checkpoint for the rollback from step {bad_step}"):
+            restored = self.checkpointer.restore(self.trainer.abstract_state, self.batches) \
+                if self.checkpointer is not None else None
+        if restored is None:
+            self.batches.set_state(self.start_data)
+            restored = initial_state(self.c, self.trainer, None, self.batches)
+        good = int(restored.step)
+        self.batches.skip(bad_step - good)
+        del self.history[max(good - self.first_step, 0):]  # a rollback can reach before this run's start
+        self.writer.rewind(good)
+        say(f"rollback: step {bad_step} was not finite ({self.guard.count} of max_nonfinite_steps="
+            f"{self.guard.limit}); back at step {good}, skipping the {bad_step - good} batches after it")
+        self.last_time, self.last_step, self.rolled_back = time.perf_counter(), good, True
+        self.state = restored
+        return good
+
+    def end_of_data(self) -> None:
+        """The data's end is this run's end: save and evaluate it (no data at all is an error)."""
+        c, last = self.c, int(self.state.step)
+        if self.exhausted and last == self.first_step == 0:
+            raise data.DataError(f"{c.train_files}: the data ends before the first batch of {c.global_batch_size} x "
+                                 f"{c.max_target_length} tokens (num_epochs={c.num_epochs}): add data or use "
+                                 f"num_epochs=-1")
+        if self.exhausted and last > self.first_step:
+            if self.checkpointer is not None and self.saved_step != last:
+                self.save(last)  # a non-finite state is not saved; the run ends on the data either way
+            if self.make_eval_iterator and c.eval_interval and self.evaluated_step != last:
+                self.evaluate(last)
+
+    def clean_up(self, failure: BaseException | None) -> None:
+        """Every way out: the trace stopped, the signal handlers put back (only now: a second SIGTERM during
+        the final save must not cut it short), the metric files closed (after a failure quietly, the W&B run
+        marked failed). A run stopped for cause or by bad data lets the saves under way finish (they hold
+        good states) and leaves no run directory it made and did not use."""
+        if self.profiler is not None:
+            self.profiler.abandon()  # a failure inside the traced steps
+        if self.preemption is not None:
+            self.preemption.restore()
+        if self.writer is not None and failure is None:
+            self.writer.close()
+        elif self.writer is not None:
+            self.writer.abandon()
+        if not isinstance(failure, errors.UserError):
+            return
+        if self.checkpointer is not None:
+            from maxtrain import checkpoint as ckpt_lib
+            if not isinstance(failure, ckpt_lib.SaveError):
+                try:
+                    self.checkpointer.close()
+                except errors.RunError:
+                    pass
+        if self.created:
+            run_dir_lib.remove_if_unused(self.run_dir)
+
+    def report(self) -> dict:
+        """The last line, and train()'s result."""
+        c, state, history, last = self.c, self.state, self.history, int(self.state.step)
+        count = self.guard.count
+        skipped = f" ({count} non-finite steps skipped)" if count and c.nan_policy == "skip" else ""
+        if self.preempted:
+            where = f"checkpoint saved at step {last}; rerun the same command to resume" \
+                if self.checkpointer is not None else "checkpointing is off, nothing saved"
+            say(f"stopped by {self.preemption.name} after step {last}: {where}")
+            return {"losses": history, "state": state, "preempted": True, "eval_losses": self.eval_history}
+        elapsed = time.perf_counter() - self.t_start
+        if not history:
+            say(f"nothing to do: run {c.run_name} is finished (at step {last} of steps={c.steps}); its outputs "
+                f"are in {self.run_dir} (raise steps to train on)")
+            return {"losses": history, "state": state}
+        say(f"done: {last} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}{skipped}; outputs in {self.run_dir}")
+        return {"losses": history, "state": state, "eval_losses": self.eval_history, "nonfinite_steps": count}
