@@ -15,7 +15,11 @@ from pathlib import Path
 
 import jax
 
-from maxtrain import checkpoint as ckpt_lib, data, mesh as mesh_lib, step as step_lib, train
+from maxtrain.checkpoint import manager as ckpt_lib
+from maxtrain.data import pipeline as data
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
+from maxtrain import train
 
 CONFIG = [str(Path(__file__).parent.parent / "configs" / "base.yml"), "model_name=125m",
           "max_target_length=128", "per_device_batch_size=1", "remat_policy=full"]

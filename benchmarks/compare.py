@@ -122,10 +122,14 @@ AOT_COMMON = ["compile_topology=v5p-128", "per_device_batch_size=4"]
 
 WORKER = r"""
 import json, sys, time
-from maxtrain.hugepages import reexec_with_huge_pages
+from maxtrain.runtime.hugepages import reexec_with_huge_pages
 reexec_with_huge_pages()  # what `python -m maxtrain.train` does first
 import jax
-from maxtrain import data, mesh as mesh_lib, metrics, step as step_lib, train
+from maxtrain.data import pipeline as data
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.observe import metrics
+from maxtrain.training import step as step_lib
+from maxtrain import train
 steps = int(sys.argv[1]); c = train.load_config(sys.argv[2:])
 peak = metrics.measure_cpu_peak_tflops(size=2048) / jax.local_device_count()
 peak_bf16 = metrics.measure_cpu_peak_tflops(size=2048, dtype=jax.numpy.bfloat16) / jax.local_device_count()

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from throughput import CONFIG, measure  # same folder
 
-from maxtrain import data, train
-from maxtrain.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
+from maxtrain.data import pipeline as data
+from maxtrain import train
+from maxtrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
 
 REPO = Path(__file__).parent.parent
 TEXT = REPO / "data" / "tinyshakespeare.txt"

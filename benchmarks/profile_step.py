@@ -15,13 +15,16 @@ import re
 import tempfile
 import time
 
-from maxtrain.hugepages import reexec_with_huge_pages
+from maxtrain.runtime.hugepages import reexec_with_huge_pages
 
 reexec_with_huge_pages()  # as `python -m maxtrain.train` does, so the profile shows the same allocations
 
 import jax  # noqa: E402
 
-from maxtrain import data, mesh as mesh_lib, step as step_lib, train  # noqa: E402
+from maxtrain.data import pipeline as data  # noqa: E402
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
+from maxtrain import train
 
 
 def main():

@@ -2,7 +2,7 @@
 window, Qwen2), its mixtures of experts (Mixtral, Qwen3-MoE) and the other families in maxtrain/models.
 
 Each family's HF layout and config mapping is in its module in maxtrain/models; the file machinery in
-maxtrain.hf_format.
+maxtrain.checkpoint.hf_format.
 
     python -m maxtrain.convert hf_to_maxtrain --hf_dir DIR --out DIR [--config x.yml] [key=value ...]
     python -m maxtrain.convert maxtrain_to_hf --checkpoint DIR --out DIR [--dtype bfloat16]
@@ -15,7 +15,7 @@ Safety and memory: safetensors only (never pickle). Import reads tensors one at 
 time) from memory maps into the single output copy; export restores one parameter (or one unrolled layer)
 at a time, checks it against the step's digest as a restore would, and writes one shard at a time.
 Everything is checked before anything is written, and the output appears under its final name only when
-complete (maxtrain.staging): a failure leaves nothing at --out.
+complete (maxtrain.checkpoint.staging): a failure leaves nothing at --out.
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ import numpy as np
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxtrain import checkpoint as ckpt_lib
-from maxtrain import cli_help, config as config_lib, digest as digest_lib, errors, export_tokenizer, platform_env, storage
-from maxtrain.hf_format import (HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_names, read_json,
+from maxtrain.checkpoint import manager as ckpt_lib, digest as digest_lib, hf_tokenizer as export_tokenizer
+from maxtrain.config import help as cli_help, load as config_lib
+from maxtrain.runtime import errors, platform_env, storage
+from maxtrain.checkpoint.hf_format import (HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_names, read_json,
                                 tokenizer_settings)
 from maxtrain.models import registry, stacks as stacks_lib
 from maxtrain.models.hf import (FUSED_EXPERTS_NAME, hf_config_for, hf_kind, model_keys_from_hf, tensor_table,
                                 with_defaults)
-from maxtrain.staging import check_out, staged, unwritable
+from maxtrain.checkpoint.staging import check_out, staged, unwritable
 
 
 class _QuietStepMetadata(logging.Filter):

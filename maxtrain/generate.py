@@ -19,12 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain import checkpoint as ckpt_lib
-from maxtrain import cli_help, config as config_lib, errors, fit, platform_env, summary
-from maxtrain import mesh as mesh_lib, step as step_lib, tokenizer as tokenizer_lib
-from maxtrain.parallel import rules as rules_lib
-from maxtrain.model import output_logits
-from maxtrain.startup import load_config, say
+from maxtrain.checkpoint import manager as ckpt_lib
+from maxtrain.config import help as cli_help, load as config_lib
+from maxtrain.runtime import errors, platform_env
+from maxtrain.observe import fit, summary
+from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
+from maxtrain.training import step as step_lib
+from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.models.decoder import output_logits
+from maxtrain.runtime.startup import load_config, say
 
 
 def choose(logits_V, rng, temperature: float, top_k: int):

@@ -10,23 +10,24 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    from maxtrain import interrupts
+    from maxtrain.runtime import interrupts
     interrupts.watch()  # first thing: Ctrl-C and SIGTERM end the start-up at once, in one line
-    from maxtrain.hugepages import reexec_with_huge_pages
+    from maxtrain.runtime.hugepages import reexec_with_huge_pages
     reexec_with_huge_pages()
-    from maxtrain.distributed import supervise
+    from maxtrain.runtime.distributed import supervise
     supervise(sys.argv[1:])  # a multi-process run trains in a child: a lost peer is one line, not an abort
 
 import concurrent.futures
 import os
 import time
 
-from maxtrain import config as config_lib, errors
-from maxtrain import data, distributed, fit, mesh as mesh_lib, platform_defaults
-from maxtrain import cli_help, metric_writers, platform_env, progress
-from maxtrain import run_dir as run_dir_lib, run_name as run_name_lib, run_record
-from maxtrain import step as step_lib, summary
-from maxtrain.startup import load_config, say
+from maxtrain.config import load as config_lib, platform_defaults, help as cli_help, run_name as run_name_lib
+from maxtrain.runtime import errors, distributed, platform_env, run_dir as run_dir_lib
+from maxtrain.data import pipeline as data
+from maxtrain.observe import fit, writers as metric_writers, progress, run_record, summary
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
+from maxtrain.runtime.startup import load_config, say
 from maxtrain.training.loop import TrainLoop
 
 

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from maxtrain import cli_help, compile as compile_lib, config, convert, generate, run_name, train
+from maxtrain.config import help as cli_help, load as config, run_name
+from maxtrain import compile as compile_lib, convert, generate, train
 from conftest import TINY, TESTS
 
 BASE = TESTS.parent / "maxtrain" / "configs" / "base.yml"

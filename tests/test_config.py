@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from maxtrain import config
-from maxtrain.resolve import resolve
-from maxtrain.config import ConfigError
+from maxtrain.config import load as config
+from maxtrain.config.resolve import resolve
+from maxtrain.config.load import ConfigError
 
 from conftest import TINY
 

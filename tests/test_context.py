@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import attention, config as config_lib, mesh as mesh_lib, step as step_lib
+from maxtrain.ops import attention
+from maxtrain.config import load as config_lib
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
 
 # Global batch 8 x 64 tokens in every run; fp32 on CPU, so collectives change only the order of sums.
 MODEL = ("base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8", "max_target_length=64")
@@ -76,7 +79,7 @@ def test_gradients_equal_the_unsharded_ones(tiny_config, documents):
     def grads(devices, *mesh):
         c = tiny_config(*MODEL, *documents, "per_device_batch_size=1", *mesh, devices=devices)
         trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
-        from maxtrain import data
+        from maxtrain.data import pipeline as data
         batch = next(iter(data.make_iterator(c, trainer.batch_sharding)))
         params = trainer.init(jax.random.key(0)).params
         balance = step_lib.load_balancer(c)

@@ -17,7 +17,10 @@ import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
-from maxtrain import checkpoint as ckpt_lib, convert, generate, mesh as mesh_lib, step as step_lib, train
+from maxtrain.checkpoint import manager as ckpt_lib
+from maxtrain import convert, generate, train
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
 
 from conftest import SHAKESPEARE, TESTS
 
@@ -288,7 +291,7 @@ def test_generate_refusals(capsys, args, expected):
 
 
 def test_llama3_rope_frequencies_match_transformers():
-    from maxtrain.model import rope_frequencies
+    from maxtrain.models.decoder import rope_frequencies
     model = random_hf_model("llama3.1")
     hf_inv_freq = model.model.rotary_emb.inv_freq.numpy()
     ours = np.asarray(rope_frequencies(8, 500000.0, (8.0, 1.0, 4.0, 64)))

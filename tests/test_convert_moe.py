@@ -19,9 +19,13 @@ from safetensors.torch import load_file as load_torch, save_file
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from maxtrain import checkpoint as ckpt_lib, config as config_lib, convert, generate
+from maxtrain.checkpoint import manager as ckpt_lib
+from maxtrain.config import load as config_lib
+from maxtrain import convert, generate
 from maxtrain.models import hf as hf_format
-from maxtrain import mesh as mesh_lib, step as step_lib, train
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
+from maxtrain import train
 
 from conftest import TESTS
 

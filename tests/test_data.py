@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain import data
-from maxtrain.config import ConfigError
-from maxtrain.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, make_tokenizer
+from maxtrain.data import pipeline as data
+from maxtrain.config.load import ConfigError
+from maxtrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, make_tokenizer
 
 from conftest import SHAKESPEARE, TESTS
 
@@ -29,7 +29,8 @@ def batches(c, docs, n, **kw):
 
 
 def test_synthetic_batches_are_random_walks_the_same_on_any_mesh(tiny_config):
-    from maxtrain import mesh as mesh_lib, step as step_lib
+    from maxtrain.parallel import mesh as mesh_lib
+    from maxtrain.training import step as step_lib
 
     def first_batches(*overrides, devices, state=None):
         c = tiny_config("per_device_batch_size=2", *overrides, devices=devices)

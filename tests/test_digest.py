@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxtrain.digest import Corrupt, digest, verify
+from maxtrain.checkpoint.digest import Corrupt, digest, verify
 
 
 def tree_on(devices, spec, values):

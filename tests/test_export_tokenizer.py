@@ -12,7 +12,7 @@ import pytest
 
 from conftest import SHAKESPEARE, TINY
 from maxtrain import convert, train
-from maxtrain.tokenizer import make_tokenizer
+from maxtrain.data.tokenizer import make_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

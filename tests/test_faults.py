@@ -18,7 +18,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain import data, train
+from maxtrain.data import pipeline as data
+from maxtrain import train
 from conftest import TINY, TESTS, tmpfs
 
 CKPT = ("enable_checkpointing=true",)
@@ -236,7 +237,7 @@ def test_skip_drops_the_update_and_goes_on(train_tiny, tmp_path, monkeypatch):
 def test_stop_saves_nothing_after_the_bad_step_and_resumes(train_tiny, tmp_path, monkeypatch, capsys):
     # Step 5 is the first step on checkpoint 4's parameters and it is not finite: 4 is never trusted, so
     # the resume starts from 2 and keeps 4 aside, named in one line.
-    from maxtrain.errors import RunError
+    from maxtrain.runtime.errors import RunError
     stream(monkeypatch, Poisoned, [4])
     with pytest.raises(RunError, match="step 5: the loss or gradients are not finite.*last trusted checkpoint: step 2"):
         train_tiny(*CKPT, "steps=8", "checkpoint_period=2", "nan_policy=stop", "run_name=stopped")
@@ -255,7 +256,7 @@ def test_stop_saves_nothing_after_the_bad_step_and_resumes(train_tiny, tmp_path,
 def test_a_state_overflowed_by_a_finite_update_is_never_saved(policy, saved, train_tiny, tmp_path, monkeypatch):
     # Finite gradients can still overflow the parameters; the save's digest finds it and the step
     # counts as non-finite (here faked once, at the save of step 4).
-    from maxtrain import checkpoint as ckpt_lib
+    from maxtrain.checkpoint import manager as ckpt_lib
     real, calls = ckpt_lib.digest, []
 
     def digest_overflowed_at_4(state, *args):
@@ -418,7 +419,7 @@ def test_rollback_restores_the_newest_trusted_step(train_tiny, tmp_path, monkeyp
 
 
 def test_trust_verdicts_spikes_and_their_file(tmp_path, capsys):
-    from maxtrain.trust import Trust
+    from maxtrain.checkpoint.trust import Trust
     t = Trust(tmp_path, spike_factor=3.0)
     for step, loss in enumerate([9.0, 8.0, 7.0, 6.0], start=1):
         assert t.observe(step, loss, True) is None  # nothing saved yet: nothing judged
@@ -507,7 +508,7 @@ def test_sigterm_during_start_up_exits_cleanly(tmp_path):
 
 
 def test_step_time_excludes_checkpoint_saves(train_tiny, tmp_path, monkeypatch):
-    from maxtrain import checkpoint as ckpt_lib
+    from maxtrain.checkpoint import manager as ckpt_lib
     save = ckpt_lib.Checkpointer.save
 
     def slow_save(self, *args):  # a save that takes 2 s of the loop's time
@@ -547,5 +548,5 @@ def test_two_processes_roll_back_and_fall_back_together(tmp_path):
 ])
 def test_tensorstore_errors_name_the_os_error_whatever_precedes_it(text):
     # The text before os_error_code depends on which write failed; the line must still say what happened.
-    from maxtrain.checkpoint import os_error_text
+    from maxtrain.checkpoint.manager import os_error_text
     assert os_error_text(ValueError(text)) == "No space left on device [errno 28]"

@@ -3,8 +3,8 @@ run, path-like names, and settings that cannot take effect. Each refusal is one 
 
 import pytest
 
-from maxtrain import config
-from maxtrain.resolve import resolve
+from maxtrain.config import load as config
+from maxtrain.config.resolve import resolve
 from conftest import TINY, TESTS
 from test_faults import main_in_process, one_line, run_cli
 

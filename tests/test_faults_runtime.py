@@ -11,8 +11,11 @@ from pathlib import Path
 import jax
 import pytest
 
-from maxtrain import config as config_lib, fit, mesh as mesh_lib, metric_writers, summary, train
-from maxtrain.resolve import resolve
+from maxtrain.config import load as config_lib
+from maxtrain.observe import fit, writers as metric_writers, summary
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain import train
+from maxtrain.config.resolve import resolve
 from conftest import TINY, TESTS
 from test_faults import CKPT, one_line, run_cli, small_disk  # noqa: F401 (a fixture)
 
@@ -198,7 +201,7 @@ def test_a_lost_peer_is_one_line_naming_it_and_the_last_checkpoint(tmp_path, vic
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)  # its child goes with it
     line = one_line(err)
-    from maxtrain.trust import Trust
+    from maxtrain.checkpoint.trust import Trust
     trusted = Trust(ckpts, 0.0).newest_trusted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
     assert trusted is not None  # checkpoints 2 and 4 were judged by steps 3 and 5
     assert survivor.returncode == 1 and line == (f"run error: {went_away}: this process stopped too; last trusted "

@@ -14,11 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from maxtrain import config as config_lib, convert, generate, loss as loss_lib, mesh as mesh_lib, model as model_lib
-from maxtrain.parallel import rules as rules_lib
-from maxtrain.parallel import rules
-from maxtrain.resolve import resolve
-from maxtrain import step as step_lib, train
+from maxtrain.config import load as config_lib
+from maxtrain import convert, generate
+from maxtrain.ops import loss as loss_lib
+from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib, rules
+from maxtrain.models import decoder as model_lib
+from maxtrain.config.resolve import resolve
+from maxtrain.training import step as step_lib
+from maxtrain import train
 from conftest import TINY
 from test_convert import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits, random_hf_model
 from test_faults import main_in_process, one_line
@@ -151,7 +154,7 @@ def test_the_planners_resolve_as_the_shardings_do(tiny_config):
         state = trainer.init(jax.random.key(0))
     held = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards
                if s.device == trainer.mesh.devices.flat[0])
-    from maxtrain import summary
+    from maxtrain.observe import summary
     assert held == sum(summary.shard_bytes(x) for x in jax.tree.leaves(trainer.abstract_state))
 
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain import checkpoint as ckpt_lib, compile as compile_lib, convert, fit, generate, train
+from maxtrain.checkpoint import manager as ckpt_lib
+from maxtrain import compile as compile_lib, convert, generate, train
+from maxtrain.observe import fit
 from conftest import TESTS, TINY, tmpfs
 from test_faults import main_in_process, one_line
 

@@ -91,8 +91,9 @@ def test_mesh_axes_that_split_a_torus_dimension():
     code = """
 import maxtrain.compile as C
 from jax.experimental import topologies
-from maxtrain import config as config_lib, mesh as mesh_lib
-from maxtrain.resolve import resolve
+from maxtrain.config import load as config_lib
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.config.resolve import resolve
 spec = C.topology("v5p-128")[1]
 assert C.slice_shape(spec)["wrap"] == (True, True, True) and not any(C.slice_shape("v5p:2x4x4")["wrap"])
 devices = topologies.get_topology_desc(platform="tpu", topology_name=spec, **C.slice_shape(spec)).devices

@@ -6,7 +6,9 @@ import signal
 import jax
 import pytest
 
-from maxtrain import checkpoint as ckpt_lib, interrupts, metric_writers
+from maxtrain.checkpoint import manager as ckpt_lib
+from maxtrain.runtime import interrupts
+from maxtrain.observe import writers as metric_writers
 from conftest import TINY
 
 

@@ -8,8 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxtrain import metric_writers, metrics
-from maxtrain.model import Decoder, ModelArgs
+from maxtrain.observe import writers as metric_writers, metrics
+from maxtrain.models.decoder import Decoder, ModelArgs
 
 
 def test_forward_flops_match_xla_cost_analysis(tiny_config):
@@ -52,7 +52,7 @@ def test_writer_writes_jsonl_and_tensorboard(tmp_path):
 
 def test_tensorboard_writer_does_not_import_torch(tmp_path):
     # tensorboardX tries `import torch` at import time (2 s); the writer hides it, and only then.
-    code = ("import sys; from pathlib import Path; from maxtrain import metric_writers; "
+    code = ("import sys; from pathlib import Path; from maxtrain.observe import writers as metric_writers; "
             f"w = metric_writers.MetricsWriter(Path({str(tmp_path)!r}), ('tensorboard', 'jsonl')); w.write(1, {{'loss': 1.0}}); "
             "w.close(); print('torch' in sys.modules); import importlib.util; "
             "print(importlib.util.find_spec('torch') is not None and 'torch' not in sys.modules)")

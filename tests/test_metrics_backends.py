@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain import metric_writers
+from maxtrain.observe import writers as metric_writers
 from conftest import TINY
 from test_faults import main_in_process, one_line
 
@@ -49,7 +49,7 @@ def test_each_backend_writes_only_its_files(backends, files, train_tiny, tmp_pat
 
 def test_backends_load_lazily():
     # Neither tensorboardX nor wandb is imported by a run that does not name it.
-    code = ("import sys; from maxtrain import train, metric_writers; "
+    code = ("import sys; from maxtrain import train; from maxtrain.observe import writers as metric_writers; "
             "print(sorted(m for m in ('tensorboardX', 'wandb') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"

@@ -6,10 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import maxtrain.attention
-from maxtrain import remat
-from maxtrain.models import registry
-from maxtrain.model import Decoder, ModelArgs, matmul, stack_layers, unstack_layers
+import maxtrain.ops.attention
+from maxtrain.models import remat, registry
+from maxtrain.models.decoder import Decoder, ModelArgs, matmul, stack_layers, unstack_layers
 
 
 def build(c):
@@ -121,7 +120,7 @@ def test_causal(tiny_config):
 @pytest.mark.parametrize("attention", ["dot_product", "blockwise", "jax_nn"])
 def test_packed_documents_equal_documents_alone(tiny_config, attention, monkeypatch):
     """With segment ids and restarting positions, a packed row equals each document run alone."""
-    monkeypatch.setattr(maxtrain.attention, "BLOCK", 8)  # blockwise: 4 blocks, a document boundary inside one
+    monkeypatch.setattr(maxtrain.ops.attention, "BLOCK", 8)  # blockwise: 4 blocks, a document boundary inside one
     c = tiny_config(f"attention={attention}")
     model, params, _ = build(c)
     doc1 = jax.random.randint(jax.random.key(2), (1, 12), 0, c.vocab_size)
@@ -144,7 +143,7 @@ def test_jax_nn_attention_matches_dot_product(tiny_config):
 def test_blockwise_attention_matches_dot_product(monkeypatch):
     """Blocks of 8 over 36 positions (the last block short), GQA 4:2, two packed documents: the same
     outputs and gradients as all positions at once."""
-    monkeypatch.setattr(maxtrain.attention, "BLOCK", 8)
+    monkeypatch.setattr(maxtrain.ops.attention, "BLOCK", 8)
     q_key, k_key, v_key, w_key = jax.random.split(jax.random.key(5), 4)
     q, out_weights = (jax.random.normal(key, (2, 36, 4, 16)) for key in (q_key, w_key))
     k, v = (jax.random.normal(key, (2, 36, 2, 16)) for key in (k_key, v_key))
@@ -154,7 +153,7 @@ def test_blockwise_attention_matches_dot_product(monkeypatch):
         loss = lambda q, k, v: jnp.sum(kernel(q, k, v, segments) * out_weights)  # noqa: E731
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
-    blocks, plain = value_and_grads(maxtrain.attention.blockwise), value_and_grads(maxtrain.attention.dot_product)
+    blocks, plain = value_and_grads(maxtrain.ops.attention.blockwise), value_and_grads(maxtrain.ops.attention.dot_product)
     for a, b in zip(jax.tree.leaves(blocks), jax.tree.leaves(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 

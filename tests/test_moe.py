@@ -1,4 +1,4 @@
-"""Mixture of experts (maxtrain/moe.py): routing against a per-token reference, the capacity rule, the
+"""Mixture of experts (maxtrain/models/moe.py): routing against a per-token reference, the capacity rule, the
 grouped matmuls, and training that gives the same losses on every mesh (expert, fsdp, tensor, data)."""
 
 import dataclasses
@@ -15,9 +15,10 @@ import pytest
 from jax.sharding import Mesh
 
 from conftest import TESTS, TINY
-from maxtrain import config as config_lib, mesh as mesh_lib, moe
-from maxtrain.parallel import rules as rules_lib
-from maxtrain.model import MLP, Decoder, ModelArgs, stack_layers, unstack_layers
+from maxtrain.config import load as config_lib
+from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
+from maxtrain.models import moe
+from maxtrain.models.decoder import MLP, Decoder, ModelArgs, stack_layers, unstack_layers
 from maxtrain.parallel.plan import Plan
 
 MOE = ("num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true")

@@ -139,8 +139,8 @@ def test_sigterm_to_one_process_stops_both_at_one_saved_step(tmp_path):
 def test_eval_shares_that_end_at_different_batches(tmp_path, tiny_config):
     """Process 0 reads the even (long) eval documents, process 1 the odd (short) ones, so process 1's
     share ends first: it must pad until both are done, and the eval counts every token of both shares."""
-    from maxtrain import data
-    from maxtrain.tokenizer import make_tokenizer
+    from maxtrain.data import pipeline as data
+    from maxtrain.data.tokenizer import make_tokenizer
     eval_file = tmp_path / "eval.txt"
     eval_file.write_text("\n\n".join(("long " * 60 if i % 2 == 0 else "short " * 12) for i in range(8)))
     text = ("dataset_type=text", "vocab_size=384", "max_target_length=16", f"train_files={SHAKESPEARE}",

@@ -67,7 +67,7 @@ def test_the_wheel_ships_its_configs_and_trains_from_anywhere(tmp_path):
         proc = run("-m", "maxtrain.train", config, "model_name=tiny", "steps=2", f"run_name=w{len(config)}")
         assert proc.returncode == 0 and "done: 2 steps" in proc.stdout, proc.stderr[-2000:]
     assert (elsewhere / "outputs" / "w8" / "metrics.jsonl").is_file()
-    proc = run("-c", "from maxtrain import config; print(config.load(['base.yml', 'model_name=qwen2.5-72b']).num_params)")
+    proc = run("-c", "from maxtrain.config.load import load; print(load(['base.yml', 'model_name=qwen2.5-72b']).num_params)")
     assert proc.stdout.strip() == "72706203648", proc.stderr[-2000:]  # the presets ship too
 
 

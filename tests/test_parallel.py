@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain import mesh as mesh_lib, step as step_lib
-from maxtrain.parallel import rules as rules_lib
+from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
+from maxtrain.training import step as step_lib
 
 # 8 query and 8 kv heads so that tensor=8 divides both; global batch 8 in every run.
 MODEL = ("base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8")

@@ -1,4 +1,4 @@
-"""The resolved config, the one logical -> mesh resolver and the execution plan (maxtrain.resolve,
+"""The resolved config, the one logical -> mesh resolver and the execution plan (maxtrain.config.resolve,
 maxtrain.parallel)."""
 
 import dataclasses
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from maxtrain import config as config_lib
-from maxtrain.config import MESH_AXES
-from maxtrain.model import Decoder, ModelArgs
+from maxtrain.config import load as config_lib
+from maxtrain.config.load import MESH_AXES
+from maxtrain.models.decoder import Decoder, ModelArgs
 from maxtrain.parallel import rules
 from maxtrain.parallel.plan import Plan
-from maxtrain.resolve import AUTO, DERIVED, Resolved, resolve
+from maxtrain.config.resolve import AUTO, DERIVED, Resolved, resolve
 
 BASE = str(config_lib.BASE_YML)
 
@@ -113,8 +113,8 @@ def test_the_model_names_no_mesh():
 
 
 def test_no_import_circle_between_the_mesh_and_the_platform_defaults():
-    code = ("import sys, maxtrain.platform_defaults, maxtrain.parallel.rules; "
-            "print('maxtrain.mesh' in sys.modules, 'maxtrain.resolve' in sys.modules)")
+    code = ("import sys, maxtrain.config.platform_defaults, maxtrain.parallel.rules; "
+            "print('maxtrain.parallel.mesh' in sys.modules, 'maxtrain.config.resolve' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from maxtrain import config as config_lib
+from maxtrain.config import load as config_lib
 from maxtrain.models import hf as hf_format
 
 # Total parameters of the released checkpoints (their safetensors metadata / model cards).

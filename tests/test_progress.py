@@ -12,8 +12,9 @@ import jax
 import pytest
 import yaml
 
-from maxtrain import config, metrics, progress, run_record, step as step_lib
-from maxtrain.training import evaluation
+from maxtrain.config import load as config
+from maxtrain.observe import metrics, progress, run_record
+from maxtrain.training import step as step_lib, evaluation
 from conftest import TINY
 from test_faults import CKPT, run_cli
 from test_faults_runtime import read_events
@@ -134,7 +135,7 @@ def test_the_start_is_recorded_and_a_resume_appends_its_own_record(train_tiny, t
 
 
 def test_a_refused_resume_leaves_the_run_record_alone(train_tiny, tmp_path, capsys):
-    from maxtrain import checkpoint
+    from maxtrain.checkpoint import manager as checkpoint
     train_tiny(*CKPT, "steps=2", "run_name=kept", n_devices=1)
     run = tmp_path / "kept"
     before = {p: (run / p).read_text() for p in ("config.yml", "starts.jsonl", "metrics.jsonl")}

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain import mesh as mesh_lib, step as step_lib
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
 from conftest import TINY
 
 EIGHT_BIT = {"i8", "f8E4M3FN", "f8E5M2"}

@@ -7,8 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from maxtrain import config as config_lib, convert, mesh as mesh_lib, step as step_lib, train
-from maxtrain.hf_format import ConvertError
+from maxtrain.config import load as config_lib
+from maxtrain import convert, train
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
+from maxtrain.checkpoint.hf_format import ConvertError
 from maxtrain.models import hf, registry
 
 from conftest import TESTS

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import data, mesh as mesh_lib, moe, step as step_lib
-from maxtrain.models import hf, registry
+from maxtrain.data import pipeline as data
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.models import moe, hf, registry
+from maxtrain.training import step as step_lib
 
 MOE = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true", "base_moe_mlp_dim=32")
 DEEPSEEK_TINY = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",

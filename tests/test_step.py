@@ -6,9 +6,12 @@ import numpy as np
 import optax
 import pytest
 
-from maxtrain import data, loss as loss_lib, mesh as mesh_lib, step as step_lib
+from maxtrain.data import pipeline as data
+from maxtrain.ops import loss as loss_lib
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
 from maxtrain.models import registry
-from maxtrain.optimizer import learning_rate_schedule
+from maxtrain.training.optimizer import learning_rate_schedule
 
 
 def one_step(c, devices):
@@ -185,7 +188,7 @@ def test_memory_levers_in_bfloat16(tiny_config):
 
 def test_loss_chunk_size_must_divide_length(tiny_config):
     import pytest
-    from maxtrain.config import ConfigError
+    from maxtrain.config.load import ConfigError
     with pytest.raises(ConfigError) as e:
         tiny_config("loss_chunk_size=5")
     assert e.value.key == "loss_chunk_size"

@@ -15,7 +15,9 @@ from conftest import SHAKESPEARE, TESTS, TINY
 from test_checkpoint import cli, finish, params_equal_bitwise, saved_params, wait_for_line
 from test_faults import main_in_process, one_line
 
-from maxtrain import convert, storage, tokenizer as tokenizer_lib
+from maxtrain import convert
+from maxtrain.runtime import storage
+from maxtrain.data import tokenizer as tokenizer_lib
 
 BUCKET = "bucket"
 
@@ -220,7 +222,7 @@ def test_parquet_from_gcs(gcs, tiny_config, tmp_path):
     """A parquet file on the bucket reads as the same documents as the local file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from maxtrain import data
+    from maxtrain.data import pipeline as data
     texts = ["first document", "second document", "third"]
     pq.write_table(pa.table({"body": texts}), tmp_path / "a.parquet")
     url = f"{gcs}/parquet/a.parquet"

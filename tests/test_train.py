@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maxtrain import config
+from maxtrain.config import load as config
 
 from conftest import TINY, TESTS
 
@@ -57,7 +57,7 @@ def test_the_loop_reads_each_step_metrics_after_queueing_the_next(train_tiny, mo
     # No host sync in the loop: step N's metrics are fetched only once step N+1 is queued, so the
     # device never waits on the host (nanodo's loop). Logged: D<n> = step n dispatched, R<n> = read.
     import jax
-    from maxtrain import step as step_lib
+    from maxtrain.training import step as step_lib
     events, step_of = [], {}
     compile_step, device_get = step_lib.Trainer.compile_train_step, jax.device_get
 
@@ -85,7 +85,8 @@ def test_the_loop_reads_each_step_metrics_after_queueing_the_next(train_tiny, mo
 def test_the_cpu_peak_probe_runs_after_the_compile(train_tiny, monkeypatch):
     # MFU's denominator on CPU is a matmul probe; run beside the step's compile (on a thread) it
     # shares the cores, reads a fraction of their rate and puts MFU over 100%.
-    from maxtrain import metrics, step as step_lib
+    from maxtrain.observe import metrics
+    from maxtrain.training import step as step_lib
     compiled, probe_saw_compiled = [], []
     compile_step, probe = step_lib.Trainer.compile_train_step, metrics.measure_cpu_peak_tflops
 
@@ -141,7 +142,7 @@ def test_compilation_cache_is_filled_and_gives_the_same_losses(tmp_path):
 
 
 def test_entry_point_reexecs_with_huge_pages_unless_opted_out():
-    code = ("import os, sys; from maxtrain.hugepages import reexec_with_huge_pages; reexec_with_huge_pages(); "
+    code = ("import os, sys; from maxtrain.runtime.hugepages import reexec_with_huge_pages; reexec_with_huge_pages(); "
             "print(repr(os.environ.get('GLIBC_TUNABLES')), sys.argv[1:])")
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", code, "a=1", "b c"], capture_output=True, text=True, env=env,

@@ -1,4 +1,4 @@
-"""What every family here shares: maxtrain's decoder (maxtrain.model: RMSNorm, RoPE, GQA attention with
+"""What every family here shares: maxtrain's decoder (maxtrain.models.decoder: RMSNorm, RoPE, GQA attention with
 optional q/k/v biases and q/k norms, SwiGLU or a mixture of experts) and the facts that follow from its
 shape. A family module builds its ModelSpec from these and adds what is its own (which configs are
 its, its HF names). The counts are checked against the built modules and transformers in
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxtrain.model import Decoder, ModelArgs
+from maxtrain.models.decoder import Decoder, ModelArgs
 from maxtrain.models import stacks as stacks_lib
 from maxtrain.models.registry import Keys
 

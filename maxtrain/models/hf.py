@@ -1,6 +1,6 @@
 """HuggingFace <-> maxtrain for the registered families: the decoder layout they all share, and the
 entry points maxtrain.convert calls, which ask the model's family (maxtrain.models.registry) for the
-rest. maxtrain.hf_format has the file-level machinery (Tensor, safetensors, tokenizer settings).
+rest. maxtrain.checkpoint.hf_format has the file-level machinery (Tensor, safetensors, tokenizer settings).
 
 Layouts. torch's Linear stores [out, in]; maxtrain stores [in, out] with heads split out:
 q_proj [H*K, D] -> wq [D, H, K]; k_proj, v_proj [N*K, D] -> wk, wv [D, N, K]; o_proj [D, H*K] -> wo [H, K, D];
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.config import padded_vocab
-from maxtrain.hf_format import ConvertError, Tensor
+from maxtrain.config.load import padded_vocab
+from maxtrain.checkpoint.hf_format import ConvertError, Tensor
 from maxtrain.models import registry
 from maxtrain.models.decoder_spec import moe_width
 from maxtrain.models.registry import Keys

@@ -4,7 +4,7 @@ down_proj."""
 
 from __future__ import annotations
 
-from maxtrain.hf_format import ConvertError
+from maxtrain.checkpoint.hf_format import ConvertError
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 

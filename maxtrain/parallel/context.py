@@ -1,6 +1,6 @@
 """Attention under a mesh: splash run per shard, and context parallelism (a sequence's positions split
 over devices, the `length` logical axis), both under shard_map. The kernels themselves, with no mesh,
-are in maxtrain.attention."""
+are in maxtrain.ops.attention."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain.attention import attend_blocks, run_splash, splash_kernel, unzigzag, document_mask, zigzag_order
+from maxtrain.ops.attention import attend_blocks, run_splash, splash_kernel, unzigzag, document_mask, zigzag_order
 from maxtrain.parallel.rules import active_mesh, active_spec, length_shards, splits_evenly
 
 

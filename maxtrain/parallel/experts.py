@@ -1,10 +1,10 @@
 """The experts' work under a mesh: each device sorts its tokens' assignments by expert and multiplies
-them with a grouped matmul (maxtrain.moe), inside shard_map. Under expert parallelism each device holds
+them with a grouped matmul (maxtrain.models.moe), inside shard_map. Under expert parallelism each device holds
 num_experts / expert-axis experts; assignments travel to their expert's device and back with
 `all_to_all`, in buffers sized so that nothing is ever dropped that the capacity rule keeps. Mesh axes
 are read from the logical axis rules (the expert weights' EXPERT_WEIGHT_AXES), never named here.
 
-Shape suffixes as in maxtrain.moe.
+Shape suffixes as in maxtrain.models.moe.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxtrain import remat
-from maxtrain.moe import (ACTIVATION_AXES, EXPERT_WEIGHT_AXES, blocked_swiglu, buffer_rows, grouped_matmul,
+from maxtrain.models import remat
+from maxtrain.models.moe import (ACTIVATION_AXES, EXPERT_WEIGHT_AXES, blocked_swiglu, buffer_rows, grouped_matmul,
                           megablox_swiglu, permute_rows, sort_by_group)
 from maxtrain.parallel.chunks import merge_chunks, split_chunks
 from maxtrain.parallel.rules import active_axes, splits_evenly

@@ -4,7 +4,7 @@ attention, the embedding lookup, the experts' work, chunks of positions, remat a
 and never sees the mesh or shard_map.
 
 A plan is frozen and hashable (a field of model.ModelArgs). `Plan.from_resolved` takes a config resolved
-for the devices (maxtrain.resolve); `Plan.single_device` takes a config as loaded, its auto values as the
+for the devices (maxtrain.config.resolve); `Plan.single_device` takes a config as loaded, its auto values as the
 reference choices (dot_product attention, no chunks, the scan's loop, the blocked grouped matmul), which
 is all a unit test on one device needs.
 """
@@ -17,7 +17,8 @@ from typing import Callable
 import flax.linen as nn
 import jax
 
-from maxtrain import attention, remat
+from maxtrain.ops import attention
+from maxtrain.models import remat
 from maxtrain.parallel import chunks, context, embedding, experts
 from maxtrain.parallel.rules import length_shards
 

@@ -6,7 +6,8 @@ import math
 
 import jax
 
-from maxtrain import config as config_lib, step as step_lib
+from maxtrain.config import load as config_lib
+from maxtrain.training import step as step_lib
 
 
 def evaluate(c: config_lib.Config, trainer: step_lib.Trainer, params, make_eval_iterator) -> dict:

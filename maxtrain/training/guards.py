@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from maxtrain import config as config_lib, errors
+from maxtrain.config import load as config_lib
+from maxtrain.runtime import errors
 
 
 class NonFiniteGuard:

@@ -13,11 +13,15 @@ import time
 
 import jax
 
-from maxtrain import config as config_lib, data, errors, fit, mesh as mesh_lib, metrics as metrics_lib
-from maxtrain import metric_writers, profiler as profiler_lib, progress
-from maxtrain import run_dir as run_dir_lib, run_record, step as step_lib
-from maxtrain.interrupts import Preemption
-from maxtrain.startup import say
+from maxtrain.config import load as config_lib
+from maxtrain.data import pipeline as data
+from maxtrain.runtime import errors, run_dir as run_dir_lib
+from maxtrain.observe import fit, metrics as metrics_lib, writers as metric_writers, profiler as profiler_lib
+from maxtrain.observe import progress, run_record
+from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.training import step as step_lib
+from maxtrain.runtime.interrupts import Preemption
+from maxtrain.runtime.startup import say
 from maxtrain.training import evaluation
 from maxtrain.training.guards import NonFiniteGuard
 from maxtrain.training.state import initial_state
@@ -52,7 +56,7 @@ class TrainLoop:
         try:
             if self.c.enable_checkpointing:
                 # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
-                from maxtrain import checkpoint as ckpt_lib
+                from maxtrain.checkpoint import manager as ckpt_lib
                 self.checkpointer = ckpt_lib.Checkpointer(self.c)
             self.start_data = self.batches.get_state()  # where a rollback with no checkpoint restarts the data
             with mesh_lib.activate(self.trainer.mesh, self.trainer.rules):
@@ -250,7 +254,7 @@ class TrainLoop:
         if not isinstance(failure, errors.UserError):
             return
         if self.checkpointer is not None:
-            from maxtrain import checkpoint as ckpt_lib
+            from maxtrain.checkpoint import manager as ckpt_lib
             if not isinstance(failure, ckpt_lib.SaveError):
                 try:
                     self.checkpointer.close()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax
 
-from maxtrain import config as config_lib, fit, progress, step as step_lib
-from maxtrain.startup import say
+from maxtrain.config import load as config_lib
+from maxtrain.observe import fit, progress
+from maxtrain.training import step as step_lib
+from maxtrain.runtime.startup import say
 
 
 def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer, batches):
@@ -17,14 +19,14 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
             say(f"resumed from {checkpointer.directory}/{int(state.step)}")
             return state
     if c.load_full_state_path:
-        from maxtrain import checkpoint as ckpt_lib  # orbax loads only where needed: see TrainLoop.run
+        from maxtrain.checkpoint import manager as ckpt_lib  # orbax loads only where needed: see TrainLoop.run
         say(f"loading full state from {c.load_full_state_path}")
         return ckpt_lib.load_full_state(c, trainer.abstract_state)
     init = trainer.init.lower(jax.random.key(c.init_weights_seed)).compile()
     fit.check_compiled(init, trainer.mesh, "initializing the state")  # its temporaries can exceed the state's size
     state = init(jax.random.key(c.init_weights_seed))
     if c.load_parameters_path:
-        from maxtrain import checkpoint as ckpt_lib
+        from maxtrain.checkpoint import manager as ckpt_lib
         say(f"loading parameters from {c.load_parameters_path}")
         state = state.replace(params=ckpt_lib.load_parameters(c, trainer.abstract_state.params))
     return state

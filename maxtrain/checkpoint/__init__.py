@@ -1,0 +1,1 @@
+"""Orbax checkpoints (save, verify, trust, retention) and HuggingFace safetensors io."""

@@ -1,0 +1,433 @@
+"""Orbax checkpoints you can trust: train state, data-iterator state, model shape and a digest, saved
+together, async; a restore verifies what it read and falls back to the newest good step.
+
+Layout: base_output_directory/run_name/checkpoints/<step>/{state,data,model,digest}. Orbax writes each
+step into a temporary directory and renames it when complete, so a save cut short by a kill is never
+listed as a step. `digest` holds, for every array of the state, its shape, dtype and two checksums of
+its bits, computed on device from the state that was saved (which must be finite). A restore compares
+them with what it read: a step that cannot be read or does not match (bit rot, a truncated or missing
+file, an empty directory) is reported in one line, moved aside to `<step>.unusable` (never deleted),
+and the next older step is tried.
+
+Which steps hold a model seen to work is trust.py's (trusted / rejected / pending). Retention is ours,
+not Orbax's: old steps are deleted only once the newest save is known complete, so a save that fails
+(disk full, read-only) never costs the last good checkpoint, and never the newest trusted step. A resume
+skips rejected steps (moved aside to `<step>.untrusted`). A failed save ends the run with one line naming
+the path and the OS error.
+
+Start-up order (as MaxText): resume this run's latest checkpoint; else load_full_state_path;
+else load_parameters_path (fresh optimizer); else fresh init.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from maxtrain.config.load import MODEL_TRAINING_KEYS, PRESET_KEYS, Config, defaults
+from maxtrain.checkpoint.digest import Corrupt, digest, json_sha256, leaf_signature, verify
+from maxtrain.checkpoint import orbax_quiet
+from maxtrain.runtime import storage
+from maxtrain.runtime.errors import NonFiniteState, RunError, UserError
+from maxtrain.checkpoint.trust import Trust
+
+log = logging.getLogger("maxtrain")
+DIGEST_VERSION = 1
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be used as asked; the CLI prints it as one line and exits 2."""
+    kind = "checkpoint"
+
+
+class SaveError(RunError):
+    """A save that failed (no space, read-only, permission): one line, exit code 1."""
+    kind = "checkpoint"
+
+
+orbax_quiet.install()
+
+
+# ---------------------------------------------------------------------------------------------
+# The model description and error text
+
+
+def model_signature(c: Config) -> dict[str, Any]:
+    """The model keys, and the training default an export hands on (router_aux_loss_coef)."""
+    return {k: c[k] for k in PRESET_KEYS} | {"scan_layers": c.scan_layers}
+
+
+def check_model(saved: dict[str, Any], c: Config, where: str, hint: str = "") -> None:
+    ours = model_signature(c)
+    saved = {**defaults(), **saved}  # keys added since the checkpoint was written had their default
+    diff = [f"{k} (checkpoint {saved.get(k)!r}, config {ours[k]!r})" for k in ours
+            if saved.get(k) != ours[k] and k not in MODEL_TRAINING_KEYS]
+    if diff:
+        raise CheckpointError(f"{where}: model shape differs: {'; '.join(diff)}{hint}")
+
+
+def check_layout(saved: list[list], abstract, where: str, hint: str) -> None:
+    """The saved arrays' paths, shapes and dtypes against this config's state (Orbax would cast)."""
+    saved_by_path = {e[0]: e[1:3] for e in saved}
+    ours = leaf_signature(abstract)
+    for path, shape, dtype in ours:
+        theirs = saved_by_path.get(path)
+        if theirs != [shape, dtype]:
+            got = "absent" if theirs is None else f"{theirs[1]}{theirs[0]}"
+            raise CheckpointError(f"{where}: {path} is {got} in the checkpoint, {dtype}{shape} in this config "
+                                  f"(an optimizer, dtype or shape change); {hint}")
+    if len(saved_by_path) != len(ours):
+        raise CheckpointError(f"{where}: the checkpoint holds {len(saved_by_path)} arrays, this config's "
+                              f"train state {len(ours)}; {hint}")
+
+
+RESUME_HINT = "cannot resume this run with this config: a config that changes the train state needs a new run_name"
+
+
+def first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
+def os_error_text(e: BaseException) -> str:
+    """'No space left on device [errno 28]' from an OSError or from tensorstore's error text."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} [errno {e.errno}]"
+    m = re.search(r"\[os_error_code='?(\d+)", str(e))  # the text before it varies with what failed
+    return f"{os.strerror(int(m.group(1)))} [errno {m.group(1)}]" if m else f"{type(e).__name__}: {first_line(e)}"
+
+
+def _all_processes(ok: bool) -> bool:
+    """True if `ok` on every process: a fallback decision must be the same everywhere."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+# ---------------------------------------------------------------------------------------------
+# This run's checkpoints
+
+
+class Checkpointer:
+    def __init__(self, c: Config):
+        self.config = c
+        self.directory = storage.absolute(c.base_output_directory, "base_output_directory") / c.run_name / "checkpoints"
+        for leftover in incomplete_steps(self.directory):
+            print(f"warning: ignoring incomplete checkpoint {leftover.name} (a save was interrupted)", flush=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None,  # retention is ours: see _prune
+            enable_async_checkpointing=c.async_checkpointing,
+            cleanup_tmp_directories=True,
+            create=True)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                                 item_names=("state", "data", "model", "digest"))
+        except OSError as e:
+            raise CheckpointError(f"cannot use {self.directory}: {os_error_text(e)}") from None
+        self._unconfirmed: int | None = None  # a save started but not yet known complete
+        self._save_started = 0.0
+        self.trust = Trust(self.directory, c.loss_spike_factor)
+
+    def due(self, step: int) -> bool:
+        """Every checkpoint_period steps. (Orbax's own schedule would also save a run's first step.)"""
+        return step % self.config.checkpoint_period == 0
+
+    def save(self, step: int, state, data_state: dict) -> None:
+        """Starts saving `step` (the loop decides when); returns once device buffers are copied."""
+        self._confirm()
+        entries, finite = digest(state)
+        if not finite:  # finite gradients overflowed the parameters: never write such a state
+            raise NonFiniteState(f"step {step}: the parameters or optimizer state hold non-finite values")
+        record = {"version": DIGEST_VERSION, "leaves": entries, "data_sha256": json_sha256(data_state)}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=ocp.args.JsonSave(data_state),
+                                  model=ocp.args.JsonSave(model_signature(self.config)),
+                                  digest=ocp.args.JsonSave(record))
+        self._save_started = time.perf_counter()
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:
+            raise self._failed(step, e) from None
+        self._unconfirmed = step
+        self.trust.saved(step)
+
+    def observe(self, step: int, loss: float, finite: bool) -> None:
+        """Every step's loss, in order: the first step on a saved state's parameters judges that checkpoint."""
+        why = self.trust.observe(step, loss, finite)
+        if why is not None and jax.process_index() == 0:
+            print(f"warning: checkpoint {step - 1} is not trusted: {why}; {self.last_trusted()}", flush=True)
+
+    def last_trusted(self) -> str:
+        """Where the run can go back to, for error lines."""
+        good = self.trust.newest_trusted(self.manager.all_steps())
+        return f"last trusted checkpoint: step {good} in {self.directory}" if good is not None else \
+            "no trusted checkpoint yet"
+
+    def poll(self) -> None:
+        """Between steps: a background save that failed ends the run now, not at the next save.
+        (One process only: asking Orbax whether a save is in progress is a barrier across processes.)"""
+        if self._unconfirmed is not None and jax.process_count() == 1 and not self.manager.is_saving_in_progress():
+            self._confirm()
+
+    def _confirm(self) -> None:
+        """Waits for the save in flight; raises SaveError if it failed, else applies retention."""
+        if self._unconfirmed is None:
+            return
+        step, self._unconfirmed = self._unconfirmed, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._failed(step, e) from None
+        if jax.process_index() == 0:  # said once known durable: the next poll, save, restore or close
+            # several processes are not polled (a barrier): this is the next save, its time not the save's
+            took = f"{time.perf_counter() - self._save_started:.1f} s, " if jax.process_count() == 1 else ""
+            print(f"saved checkpoint {step} ({took}{self.directory / str(step)})", flush=True)
+        self._prune()
+
+    def _failed(self, step: int, e: BaseException) -> SaveError:
+        good = [s for s in self.manager.all_steps() if s != step]
+        trusted = self.trust.newest_trusted(good)
+        newest = trusted if trusted is not None else max(good, default=None)
+        last = f"step {newest} in {self.directory}" if newest is not None else "none"
+        return SaveError(f"saving step {step} to {self.directory / str(step)} failed: {os_error_text(e)}; "
+                         f"the last good checkpoint is {last}")
+
+    def _prune(self) -> None:
+        """Keeps the newest max_num_checkpoints_to_keep complete steps and the newest trusted one (called
+        only after a save is known complete, so the step it supersedes is never deleted for one that may not
+        exist)."""
+        keep = self.config.max_num_checkpoints_to_keep
+        steps = sorted(self.manager.all_steps())
+        trusted = self.trust.newest_trusted(steps)
+        doomed = [s for s in (steps[:-keep] if keep else []) if s != trusted]
+        for step in doomed:
+            self.manager.delete(step)
+        if doomed:
+            self.trust.forget(doomed)
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is durable (SaveError if it failed)."""
+        self._confirm()
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def close(self) -> None:
+        """Waits until every save is durable; raises SaveError if the last one failed."""
+        try:
+            self._confirm()
+        finally:
+            self.manager.close()
+
+    def restore(self, abstract_state, batches):
+        """Resume from the newest step that reads and verifies: returns the state and puts `batches` (the
+        data iterator) back at its saved position; None if the run has no checkpoint. Unusable newer
+        steps are reported and moved aside; if no step is usable, a CheckpointError lists why."""
+        self._confirm()
+        unusable, untrusted = [], []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            if self.trust.verdict(step) == "rejected":
+                untrusted.append(step)
+                continue
+            try:
+                state, data_state = self._restore_step(step, abstract_state)
+            except Corrupt as e:
+                unusable.append((step, str(e)))
+                continue
+            self._set_aside(untrusted, unusable, f"resuming from step {step} instead")
+            try:
+                batches.set_state(data_state)
+            except Exception as e:  # saved by another kind of input pipeline
+                raise CheckpointError(f"{self.directory / str(step)}: its data position {str(data_state)[:80]} does "
+                                      f"not fit this config's {self.config.dataset_type} data "
+                                      f"({type(e).__name__}); resume with the data it was saved with, or use a "
+                                      f"new run_name") from None
+            self.trust.resumed(step)
+            return state
+        if unusable:
+            why = "; ".join(f"step {s}: {w}" for s, w in unusable)
+            raise CheckpointError(f"{self.directory}: no usable checkpoint ({why}); move the directory away to "
+                                  f"start afresh")
+        self._set_aside(untrusted, [], "starting from the beginning")
+        return None
+
+    def _set_aside(self, untrusted: list[int], unusable: list[tuple[int, str]], then: str) -> None:
+        """Moves rejected and damaged newer steps out of the run (never deleted), one line for each kind."""
+        say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+        if untrusted:
+            reason = self.trust.rejected[untrusted[-1]]
+            moved = [self._move_aside(s, "untrusted").name for s in untrusted]
+            many = len(untrusted) > 1
+            say(f"warning: checkpoint{'s' * many} {', '.join(map(str, sorted(untrusted)))} in {self.directory} "
+                f"{'are' if many else 'is'} not trusted (step {untrusted[-1]}: {reason}); {then} (kept aside as "
+                f"{', '.join(sorted(moved))})", flush=True)
+        for bad, why in unusable:
+            moved = self._move_aside(bad)
+            say(f"warning: checkpoint {self.directory / str(bad)} is unusable ({why}); {then} "
+                f"(moved to {moved.name})", flush=True)
+
+    def _restore_step(self, step: int, abstract_state):
+        where = str(self.directory / str(step))
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(
+                model=ocp.args.JsonRestore(), digest=ocp.args.JsonRestore()))
+            saved_model, record = meta["model"], meta["digest"]
+            if not (isinstance(saved_model, dict) and isinstance(record, dict)
+                    and record.get("version") == DIGEST_VERSION):
+                raise Corrupt("its model description or digest is not what maxtrain writes")
+        except Corrupt:
+            raise
+        except Exception as e:  # a missing, empty or garbled file: Orbax raises many types
+            raise Corrupt(f"cannot read its model description and digest: {type(e).__name__}") from None
+        check_model(saved_model, self.config, where, f"; run_name={self.config.run_name} is another model's run: "
+                    "choose another run_name, or leave it unset for one derived from the model")  # not damage
+        check_layout(record["leaves"], abstract_state, where, RESUME_HINT)
+        ok, why, restored = True, "", None
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            verify(restored["state"], record)
+            if json_sha256(restored["data"]) != record.get("data_sha256"):
+                raise Corrupt("its data position does not match its checksum")
+        except Corrupt as e:
+            ok, why = False, str(e)
+        except Exception as e:
+            ok, why = False, f"cannot read its state: {type(e).__name__}: {first_line(e)[:120]}"
+        if not _all_processes(ok):
+            raise Corrupt(why or "another process could not read it")
+        return restored["state"], restored["data"]
+
+    def _move_aside(self, step: int, why: str = "unusable") -> Path:
+        target = self.directory / f"{step}.{why}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}.{why}{n}"
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"maxtrain_move_aside_{step}")
+        self.manager.reload()
+        self.trust.forget([step])
+        return target
+
+
+def incomplete_steps(directory: Path) -> list[Path]:
+    """Leftovers of saves that never finished (Orbax's temporary step directories)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Other runs' checkpoints and parameter-only checkpoints
+
+
+def step_directory(path: str, key: str) -> Path:
+    p = storage.absolute(path, key)
+    if not (p / "state").is_dir():
+        raise CheckpointError(f"{key}: {p} is not a maxtrain checkpoint step directory "
+                              f"(expected {p}/state; e.g. <run>/checkpoints/<step>)")
+    if (p / "model").is_dir():
+        why = untrusted_reason(p)
+        if why is not None and jax.process_index() == 0:
+            print(f"warning: {p} is not trusted ({why}): loading it anyway, as {key} asks", flush=True)
+        return p
+    raise CheckpointError(f"{key}: {p} has no model description (expected {p}/model)")
+
+
+def untrusted_reason(p: Path) -> str | None:
+    """Why the run that saved step directory `p` rejected it, or None (trusted, not yet judged, or not a run's)."""
+    if not p.name.isdigit():
+        return None
+    return Trust(p.parent, 0.0).rejected.get(int(p.name))
+
+
+def restore_failed(key: str, p: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{key}: cannot restore {p}/state: {type(e).__name__}: {first_line(e)}")
+
+
+def _read_json_item(p: Path, item: str, key: str):
+    try:
+        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(p / item)
+    except Exception as e:
+        raise CheckpointError(f"{key}: cannot read {p}/{item}: {type(e).__name__}") from None
+
+
+def read_model(p: Path, key: str) -> dict:
+    """A step directory's model description (MODEL_KEYS and scan_layers)."""
+    saved = _read_json_item(p, "model", key)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{key}: {p}/model is not a model description: the checkpoint is damaged")
+    return saved
+
+
+def _read_digest(p: Path, key: str) -> dict | None:
+    """The step's digest record, or None where it has none (converted parameters)."""
+    if not (p / "digest").is_dir():
+        return None
+    record = _read_json_item(p, "digest", key)
+    if not isinstance(record, dict) or not isinstance(record.get("leaves"), list):
+        raise CheckpointError(f"{key}: {p}/digest is not what maxtrain writes: the checkpoint is damaged")
+    return record
+
+
+def _verify_loaded(tree, record: dict | None, p: Path, key: str, prefix: str = "") -> None:
+    if record is None:
+        return
+    try:
+        verify(tree, record, prefix, partial=bool(prefix))
+    except (Corrupt, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{key}: {p} does not match its digest ({e}): the checkpoint is damaged") from None
+
+
+def load_full_state(c: Config, abstract_state):
+    """State (params, optimizer, step) from another run's checkpoint step directory."""
+    p = step_directory(c.load_full_state_path, "load_full_state_path")
+    check_model(read_model(p, "load_full_state_path"), c, str(p))
+    record = _read_digest(p, "load_full_state_path")
+    if record is not None:
+        check_layout(record["leaves"], abstract_state, f"load_full_state_path: {p}",
+                     "load only the parameters (load_parameters_path) to change the optimizer state")
+    try:
+        state = ocp.StandardCheckpointer().restore(p / "state", abstract_state)
+    except Exception as e:  # Orbax raises many types for unreadable data
+        raise restore_failed("load_full_state_path", p, e) from None
+    _verify_loaded(state, record, p, "load_full_state_path")
+    return state
+
+
+def load_parameters(c: Config, abstract_params):
+    """Parameters only (from a full-state or a parameters-only checkpoint); optimizer starts fresh."""
+    p = step_directory(c.load_parameters_path, "load_parameters_path")
+    check_model(read_model(p, "load_parameters_path"), c, str(p))
+    target = {"params": abstract_params}
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                               dtype=x.dtype), target)
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            p / "state", args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                     partial_restore=True))
+    except Exception as e:
+        raise restore_failed("load_parameters_path", p, e) from None
+    _verify_loaded(restored["params"], _read_digest(p, "load_parameters_path"), p, "load_parameters_path",
+                   prefix=".params")
+    return restored["params"]
+
+
+def save_parameters(path: str | Path, params, c: Config) -> None:
+    """A parameters-only checkpoint step directory that load_parameters_path accepts."""
+    p = storage.absolute(path)
+    # Synchronous, at most 1 GB of encoded data in flight: converting a model needs little more than it.
+    saver = ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=1))
+    saver.save(p / "state", args=ocp.args.StandardSave({"params": params}))
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(p / "model", model_signature(c))

@@ -1,0 +1,106 @@
+"""Platform defaults: the values `attention=auto` and `loss_chunk_size` / `mlp_chunk_size=-1` take once
+the devices are known, so that the plain command is the fast, lean one on TPU, GPU and CPU. Each rule is
+stated in base.yml beside its key; an explicit value always wins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maxtrain.models import quantization
+from maxtrain.config.load import ConfigError, padded_vocab
+from maxtrain.parallel import rules
+
+
+def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
+    """The auto values of a config whose mesh is resolved (maxtrain.config.resolve), and moe_chunk_size, as
+    {key: value}."""
+    c = dict(resolving)
+    if c["attention"] == "auto":
+        quantized = "attention" in quantization.targets(c)
+        c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
+    auto_matmul = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")  # see moe.grouped_matmul
+    if c["moe_grouped_matmul"] == "auto":
+        c["moe_grouped_matmul"] = auto_matmul
+    elif c["moe_grouped_matmul"] == "megablox" and platform != "tpu" and c["num_experts"] > 1:
+        raise ConfigError("moe_grouped_matmul", f"megablox is a TPU kernel (Pallas Mosaic); on {platform} use "
+                          f"blocked or ragged_dot (auto = {auto_matmul})")
+    if c["scan_unroll"] == -1:
+        c["scan_unroll"] = scan_unroll_for(platform, c["remat_policy"], c["base_num_decoder_layers"])
+    auto_chunks(c)
+    return {k: c[k] for k in ("attention", "moe_grouped_matmul", "scan_unroll", "loss_chunk_size", "mlp_chunk_size",
+                              "moe_chunk_size")}
+
+
+def scan_unroll_for(platform: str, remat_policy: str, layers: int) -> int:
+    """scan_unroll=-1. Under remat_policy=none the scanned loop writes every layer's activations into
+    stacked [layers, ...] buffers, which XLA:CPU zero-fills and copies each step; unrolled, each layer's
+    stay in their own. Issue #26's tiny shape (4 layers, width 128): 0.058 s/step looped, 0.040 unrolled
+    (benchmarks/ab.py, paired); under full, minimal or save_dot_except_mlp remat unrolling was no faster (0.82x
+    to 1.15x, in the noise) and costs compile time, as it would for a deep model."""
+    return layers if platform == "cpu" and remat_policy == "none" and layers <= 8 else 1
+
+
+def attention_for(platform: str, length_per_device: int, quantized_projections: bool = False) -> str:
+    """attention=auto: each platform's fast kernel (splash needs each device's positions in blocks of 128;
+    beside quantized projections, jax_nn's einsums would be quantized too: see maxtrain.models.quantization)."""
+    if platform == "tpu":
+        return "splash" if length_per_device % 128 == 0 else "blockwise"
+    return "jax_nn" if platform == "gpu" and not quantized_projections else "blockwise"
+
+
+MiB = 2**20
+AUTO_CHUNKS = {  # key: (chunk, bytes per device above which it is on)
+    "loss_chunk_size": (512, 512 * MiB),   # the float32 logits [rows, length, vocab shard]
+    # one layer's [rows, length, mlp shard] in the compute dtype; llama3-8b at 131,072 tokens, context 16
+    # (224 MiB): 8.03 GiB per chip in chunks, 9.51 without
+    "mlp_chunk_size": (2048, 128 * MiB),
+}
+
+
+def summary(c) -> str:
+    """The settings the platform defaults resolved, for a run's first line."""
+    dense_mlp = c.num_experts == 1 or c.first_num_dense_layers > 0
+    chunks = {"loss": c.loss_chunk_size, "mlp": c.mlp_chunk_size if dense_mlp else 0,
+              "moe": c.moe_chunk_size if c.num_experts > 1 else 0}
+    text = "".join(f" | {name} chunk {size}" for name, size in chunks.items() if size)
+    moe = f" | experts {c.moe_grouped_matmul}" if c.num_experts > 1 else ""
+    quantized = f" | {c.quantization} matmuls ({c.quantization_targets})" if c.quantization else ""
+    unrolled = f" | {c.scan_unroll} layers per loop iteration" if c.scan_layers and c.scan_unroll > 1 else ""
+    return f"{c.dtype} | attention {c.attention}{text}{moe}{quantized}{unrolled}"
+
+
+def auto_chunks(c: dict[str, Any]) -> None:
+    """loss_chunk_size / mlp_chunk_size = -1: chunk where the unchunked tensor would be large per device
+    (moe_chunk_size: mlp_chunk_size's value for an MoE layer)."""
+    def shards(logical: str, size: int | None = None) -> int:  # with a size: as the resolver splits it
+        return rules.shards(c["logical_axis_rules"], logical, c["mesh_shape"], size)
+    rows = c["global_batch_size"] / shards("batch") / c["gradient_accumulation_steps"]
+    length = c["max_target_length"] // shards("length")  # each device's positions (chunks split those)
+    itemsize = 2 if c["dtype"] == "bfloat16" else 4
+    vocab = padded_vocab(c["vocab_size"])
+    sizes = {"loss_chunk_size": rows * length * vocab / shards("vocab", vocab) * 4,
+             "mlp_chunk_size": rows * length * c["base_mlp_dim"] / shards("mlp", c["base_mlp_dim"]) * itemsize}
+    c["moe_chunk_size"] = c["mlp_chunk_size"]  # one key for both layers; their auto rules differ
+    for key, (chunk, limit) in AUTO_CHUNKS.items():
+        if c[key] == -1:
+            divisor = max(d for d in range(1, min(chunk, length) + 1) if length % d == 0)
+            c[key] = divisor if sizes[key] > limit and divisor < length else 0
+    if c["moe_chunk_size"] == -1:
+        c["moe_chunk_size"] = moe_chunk(c, rows, length, itemsize, shards)
+
+
+def moe_chunk(c, rows, length, itemsize, shards) -> int:
+    """An MoE layer's auto chunk. Under expert parallelism a device receives every peer's assignments to
+    its experts, [rows x length x top-k on its experts x peers, expert width] per layer: chunks keep that
+    under the MLP's limit. Without an expert axis, no chunks: the gathered weights of all experts and their
+    gradients dominate, and the chunk loop's gradient carry costs what the chunks save. Mixtral 8x7B on
+    v5p-128 (libtpu 0.0.52, dropless): expert 8 x fsdp 8 plans 18.60 GiB per chip with chunks of 128
+    (this rule's), 19.08 with 256, 33.73 without; fsdp 64 plans 23.44 without chunks, 23.56 with 256."""
+    peers = shards("experts")
+    if peers == 1:
+        return 0
+    per_peer = min(c["num_experts_per_tok"], c["num_experts"] // peers)
+    per_position = rows * per_peer * peers * c["moe_mlp_dim"] / shards("moe_mlp") * itemsize
+    limit = AUTO_CHUNKS["mlp_chunk_size"][1]
+    chunk = max((d for d in range(1, length + 1) if length % d == 0 and d * per_position <= limit), default=1)
+    return chunk if chunk < length else 0

@@ -1,0 +1,1 @@
+"""Input pipelines (grain) and tokenizers."""

@@ -1,0 +1,1 @@
+"""Metrics, their writers, summaries, profiling, progress and the will-it-fit memory check."""

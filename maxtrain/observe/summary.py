@@ -1,0 +1,61 @@
+"""Human-readable reports: the parameter table and the compiled step's memory (dry_run, compile)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec
+
+from maxtrain.training.step import Trainer
+
+GiB = 1024**3
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def shard_bytes(x: jax.ShapeDtypeStruct) -> int:
+    """Bytes one device holds of an array with a NamedSharding."""
+    shard_shape = x.sharding.shard_shape(x.shape)
+    return math.prod(shard_shape) * x.dtype.itemsize
+
+
+def param_table(trainer: Trainer, active: int | None = None) -> str:
+    params = trainer.abstract_state.params
+    specs = jax.tree_util.tree_leaves_with_path(
+        trainer.param_logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    rows = [("parameter", "shape", "logical axes", "mesh PartitionSpec", "bytes/device")]
+    total, total_bytes = 0, 0
+    for (path, x), (_, logical) in zip(jax.tree_util.tree_leaves_with_path(params), specs):
+        nbytes = shard_bytes(x)
+        total += math.prod(x.shape)
+        total_bytes += nbytes
+        rows.append((_path_name(path), str(tuple(x.shape)), str(tuple(logical)),
+                     str(tuple(x.sharding.spec)), f"{nbytes:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    a = trainer.model.args  # the vocabulary's padding (config.VOCAB_MULTIPLE) is storage, not parameters
+    padding = (a.padded_vocab - a.vocab) * a.embed * (1 if a.tied_embeddings else 2)
+    total -= padding
+    padded = f", plus {padding:,} entries of vocabulary padding" if padding else ""
+    lines.append(f"total parameters: {total:,}{padded} ({total_bytes / 2**20:,.1f} MiB of parameters per device)"
+                 + (f"; active per token: {active:,}" if active and active != total else ""))
+    return "\n".join(lines)
+
+
+def memory_report(compiled) -> dict[str, float]:
+    """Per-device GiB from XLA's memory analysis of a compiled executable."""
+    m = compiled.memory_analysis()
+    args = m.argument_size_in_bytes
+    temps = m.temp_size_in_bytes
+    outs = m.output_size_in_bytes
+    aliased = m.alias_size_in_bytes  # donated inputs reused as outputs are not counted twice
+    return {"arguments": args / GiB, "temporaries": temps / GiB, "outputs": outs / GiB,
+            "aliased": aliased / GiB, "total": (args + temps + outs - aliased) / GiB}
+
+
+def format_memory(report: dict[str, float]) -> str:
+    return " | ".join(f"{k} {v:.3f} GiB" for k, v in report.items())

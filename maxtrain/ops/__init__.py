@@ -1,0 +1,1 @@
+"""Kernels that know nothing of the mesh: attention, the chunked loss."""

@@ -1,0 +1,1 @@
+"""Process-level services: errors, jax.distributed, storage paths (local and gs://), signals."""

@@ -1,0 +1,34 @@
+"""What every entry point that runs on devices does first (train, generate; the benchmarks too): the
+config resolved for this process's devices, and printing from process 0 only. No entry point's code lives
+here, so the entry points import it and none imports another."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from maxtrain.config import load as config_lib, resolve
+from maxtrain.runtime import distributed
+
+
+def say(*args) -> None:
+    """Progress lines come from process 0 only; every process would print the same."""
+    if jax.process_index() == 0:
+        print(*args, flush=True)
+
+
+def load_config(argv: list[str], devices=None) -> resolve.Resolved:
+    """Parse and validate, start jax.distributed if the run is multi-process, then fit the mesh."""
+    c = config_lib.load(argv)
+    distributed.initialize(c)  # before anything touches devices
+    if jax.process_count() > 1 and c.num_epochs != -1 and c.dataset_type != "synthetic":
+        # Each process reads its own share of the documents and the shares end at different steps:
+        # the processes that ran out would stop while the others wait for them in the step.
+        raise config_lib.ConfigError("num_epochs", f"{c.num_epochs}: with several processes use -1 (repeat) "
+                                     "and end the run with steps")
+    if c.compilation_cache_dir:  # a rerun of the same program loads its executables instead of compiling
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    devices = devices or jax.devices()
+    return resolve.resolve(c, devices)
