@@ -291,7 +291,7 @@ def test_generate_refusals(capsys, args, expected):
 
 
 def test_llama3_rope_frequencies_match_transformers():
-    from maxtrain.models.decoder import rope_frequencies
+    from maxtrain.models.layers import rope_frequencies
     model = random_hf_model("llama3.1")
     hf_inv_freq = model.model.rotary_emb.inv_freq.numpy()
     ours = np.asarray(rope_frequencies(8, 500000.0, (8.0, 1.0, 4.0, 64)))

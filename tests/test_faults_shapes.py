@@ -18,7 +18,7 @@ from maxtrain.config import load as config_lib
 from maxtrain import convert, generate
 from maxtrain.ops import loss as loss_lib
 from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib, rules
-from maxtrain.models import decoder as model_lib
+from maxtrain.models import args as args_lib, decoder as model_lib
 from maxtrain.config.resolve import resolve
 from maxtrain.training import step as step_lib
 from maxtrain import train
@@ -163,7 +163,7 @@ def test_smollm2_width_on_fsdp_128_is_one_note():
     c = config_lib.load([str(config_lib.BASE_YML), "model_name=smollm2-135m", "per_device_batch_size=1"])
     c = resolve(c, 128)
     assert c.mesh_shape["fsdp"] == 128
-    args = model_lib.ModelArgs.from_config(c)
+    args = args_lib.ModelArgs.from_config(c)
     boxed = jax.eval_shape(model_lib.Decoder(args).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     import flax.linen as nn
     lines = rules_lib.uneven_notes(nn.get_partition_spec(boxed), nn.meta.unbox(boxed), rules_lib.axis_rules(c),

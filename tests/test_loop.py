@@ -1,6 +1,7 @@
 """The training loop's clean-up: however a run ends, what it set up is taken down again."""
 
 import os
+import contextlib
 import signal
 
 import jax
@@ -69,7 +70,5 @@ def test_an_error_inside_the_loop_puts_back_what_the_run_set_up(fails, tmp_path,
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
-        try:  # a trace left running would fail every later profiled test in this process
+        with contextlib.suppress(RuntimeError):  # a trace left running would fail every later profiled test
             jax.profiler.stop_trace()
-        except RuntimeError:
-            pass

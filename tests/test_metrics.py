@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.observe import writers as metric_writers, metrics
-from maxtrain.models.decoder import Decoder, ModelArgs
+from maxtrain.models.args import ModelArgs
+from maxtrain.models.decoder import Decoder
 
 
 def test_forward_flops_match_xla_cost_analysis(tiny_config):

@@ -8,7 +8,9 @@ import pytest
 
 import maxtrain.ops.attention
 from maxtrain.models import remat, registry
-from maxtrain.models.decoder import Decoder, ModelArgs, matmul, stack_layers, unstack_layers
+from maxtrain.models.args import ModelArgs
+from maxtrain.models.decoder import Decoder, stack_layers, unstack_layers
+from maxtrain.models.layers import matmul
 
 
 def build(c):

@@ -18,7 +18,10 @@ from conftest import TESTS, TINY
 from maxtrain.config import load as config_lib
 from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
 from maxtrain.models import moe
-from maxtrain.models.decoder import MLP, Decoder, ModelArgs, stack_layers, unstack_layers
+from maxtrain.models.args import ModelArgs
+from maxtrain.models.decoder import Decoder, stack_layers, unstack_layers
+from maxtrain.models.layers import MLP
+from maxtrain.ops import grouped_matmul as gmm
 from maxtrain.parallel.plan import Plan
 
 MOE = ("num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true")
@@ -188,13 +191,13 @@ def test_blocked_matmul_equals_ragged_dot_with_gradients():
     dy = jnp.asarray(rng.normal(size=(220, 40)), jnp.float32)
 
     def grads(method):
-        f = lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, method) * dy)  # noqa: E731
+        f = lambda x, w: jnp.sum(gmm.grouped_matmul(x, w, sizes, method) * dy)  # noqa: E731
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
     (v1, (dx1, dw1)), (v2, (dx2, dw2)) = grads("blocked"), grads("ragged_dot")
     np.testing.assert_allclose(v1, v2, rtol=1e-5)
     np.testing.assert_allclose(dx1, dx2, atol=1e-4)
     np.testing.assert_allclose(dw1, dw2, atol=1e-4)
-    assert not np.any(np.asarray(moe.grouped_matmul(x, w, sizes, "blocked"))[203:])  # rows past the groups
+    assert not np.any(np.asarray(gmm.grouped_matmul(x, w, sizes, "blocked"))[203:])  # rows past the groups
 
 
 DEEPSEEK_TINY = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
@@ -231,7 +234,7 @@ def test_deepseek_preset_counts_like_its_model():
 
 @pytest.mark.parametrize("method", ["megablox"])
 def test_the_tpu_kernel_equals_blocked_in_the_interpreter(monkeypatch, method):
-    monkeypatch.setattr(moe, "MEGABLOX_INTERPRET", True)
+    monkeypatch.setattr(gmm, "MEGABLOX_INTERPRET", True)
     rng = np.random.default_rng(0)
     sizes = jnp.array([0, 100, 7, 0, 121], jnp.int32)  # 28 rows past all groups
     x = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32)
@@ -239,7 +242,7 @@ def test_the_tpu_kernel_equals_blocked_in_the_interpreter(monkeypatch, method):
     dy = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32)
 
     def grads(method):
-        f = lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, method) * dy)  # noqa: E731
+        f = lambda x, w: jnp.sum(gmm.grouped_matmul(x, w, sizes, method) * dy)  # noqa: E731
         return jax.value_and_grad(f, argnums=(0, 1))(x, w)
     (v1, (dx1, dw1)), (v2, (dx2, dw2)) = grads(method), grads("blocked")
     np.testing.assert_allclose(v1, v2, rtol=1e-4)
@@ -250,7 +253,7 @@ def test_the_tpu_kernel_equals_blocked_in_the_interpreter(monkeypatch, method):
 def test_the_tpu_kernel_swiglu_masks_only_its_ends(monkeypatch):
     """megablox_swiglu selects rows past the groups away only before the first and after the last matmul:
     NaN in those rows of x and of the output's gradient reaches neither the result nor any gradient."""
-    monkeypatch.setattr(moe, "MEGABLOX_INTERPRET", True)
+    monkeypatch.setattr(gmm, "MEGABLOX_INTERPRET", True)
     rng = np.random.default_rng(1)
     sizes = jnp.array([60, 0, 100, 7], jnp.int32)  # 89 rows past all groups
     x = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32).at[167:].set(jnp.nan)
@@ -263,8 +266,8 @@ def test_the_tpu_kernel_swiglu_masks_only_its_ends(monkeypatch):
     def run_vjp(run, cotangent):
         y, vjp = jax.vjp(lambda x, ws: run(x, sizes, ws, body), x, ws)
         return y, *vjp(cotangent)
-    y1, dx1, dw1 = run_vjp(moe.megablox_swiglu, dy)  # NaN in dy's rows past the groups too
-    y2, dx2, dw2 = run_vjp(moe.blocked_swiglu, jnp.where(jnp.isnan(dy), 0, dy))
+    y1, dx1, dw1 = run_vjp(gmm.megablox_swiglu, dy)  # NaN in dy's rows past the groups too
+    y2, dx2, dw2 = run_vjp(gmm.blocked_swiglu, jnp.where(jnp.isnan(dy), 0, dy))
     assert not np.any(np.asarray(y1)[167:]) and not np.any(np.asarray(dx1)[167:])
     np.testing.assert_allclose(y1, y2, atol=1e-4)
     np.testing.assert_allclose(dx1, dx2, atol=1e-3)

@@ -16,7 +16,8 @@ import pytest
 from conftest import TINY
 from maxtrain.config import load as config_lib
 from maxtrain.config.load import MESH_AXES
-from maxtrain.models.decoder import Decoder, ModelArgs
+from maxtrain.models.args import ModelArgs
+from maxtrain.models.decoder import Decoder
 from maxtrain.parallel import rules
 from maxtrain.parallel.plan import Plan
 from maxtrain.config.resolve import AUTO, DERIVED, Resolved, resolve

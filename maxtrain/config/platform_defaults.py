@@ -18,7 +18,7 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
     if c["attention"] == "auto":
         quantized = "attention" in quantization.targets(c)
         c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
-    auto_matmul = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")  # see moe.grouped_matmul
+    auto_matmul = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")  # see maxtrain.ops.grouped_matmul
     if c["moe_grouped_matmul"] == "auto":
         c["moe_grouped_matmul"] = auto_matmul
     elif c["moe_grouped_matmul"] == "megablox" and platform != "tpu" and c["num_experts"] > 1:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxtrain.models.decoder import Decoder, ModelArgs
+from maxtrain.models.args import ModelArgs
+from maxtrain.models.decoder import Decoder
 from maxtrain.models import stacks as stacks_lib
 from maxtrain.models.registry import Keys
 

@@ -54,7 +54,7 @@ class HFMapping:
 class ModelSpec:
     name: str
     matches: Callable[[Keys], bool]
-    args: Callable[[Any], Any]     # config -> the module's args (model.ModelArgs)
+    args: Callable[[Any], Any]     # config -> the module's args (maxtrain.models.args.ModelArgs)
     build: Callable[[Any], Any]    # config -> the flax module
     stacks: Callable[[Keys], list[Stack]]
     count_params: Callable[[Keys, bool], int]  # (m, active): active = the parameters one token uses

@@ -6,7 +6,7 @@ The model tags the outputs worth keeping with `checkpoint_name(x, TAG)`; a polic
 
 import jax
 
-# Tags the model puts on intermediates (see model.py).
+# Tags the model puts on intermediates (maxtrain.models: layers, attention, moe).
 QUERY, KEY, VALUE, CONTEXT, OUT = "query_proj", "key_proj", "value_proj", "context", "out_proj"
 MLP_IN, MLP_OUT = "mlpwi", "mlpwo"
 

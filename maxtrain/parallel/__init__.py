@@ -7,5 +7,6 @@
   the only modules that call shard_map and collectives.
 
 A new parallelism axis: its mesh axis in config.MESH_AXES and the rules, its collectives here, and its
-choice in plan.py. A new kernel: a mesh-free function (attention.py, moe.py) and one line in Plan.attend.
+choice in plan.py. A new kernel: a mesh-free function in maxtrain/ops/ and one line in the plan
+(Plan.attend for attention).
 """

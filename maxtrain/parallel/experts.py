@@ -1,5 +1,5 @@
 """The experts' work under a mesh: each device sorts its tokens' assignments by expert and multiplies
-them with a grouped matmul (maxtrain.models.moe), inside shard_map. Under expert parallelism each device holds
+them with a grouped matmul (maxtrain.ops.grouped_matmul), inside shard_map. Under expert parallelism each device holds
 num_experts / expert-axis experts; assignments travel to their expert's device and back with
 `all_to_all`, in buffers sized so that nothing is ever dropped that the capacity rule keeps. Mesh axes
 are read from the logical axis rules (the expert weights' EXPERT_WEIGHT_AXES), never named here.
@@ -19,8 +19,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from maxtrain.models import remat
-from maxtrain.models.moe import (ACTIVATION_AXES, EXPERT_WEIGHT_AXES, blocked_swiglu, buffer_rows, grouped_matmul,
-                          megablox_swiglu, permute_rows, sort_by_group)
+from maxtrain.models.axes import ACTIVATION_AXES, EXPERT_WEIGHT_AXES
+from maxtrain.ops.grouped_matmul import blocked_swiglu, grouped_matmul, megablox_swiglu, permute_rows, sort_by_group
 from maxtrain.parallel.chunks import merge_chunks, split_chunks
 from maxtrain.parallel.rules import active_axes, splits_evenly
 
@@ -99,6 +99,13 @@ def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, expert
     y_TxKxD = permute_rows(ys_AxD, inverse_A, order_A).reshape(-1, k, d)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD, weights_BxLxK.reshape(-1, k))
     return y_TxD.reshape(b, length, d)
+
+
+def buffer_rows(length: int, k: int, local_experts: int, cap: int | None) -> int:
+    """Rows a device sends each expert-parallel peer, per sequence it holds: the most that can go to the
+    peer's experts (each token picks an expert once; the capacity rule bounds each expert further)."""
+    rows = length * min(k, local_experts)
+    return rows if cap is None else min(rows, cap * local_experts)
 
 
 def _size(axes) -> int:

@@ -3,7 +3,7 @@ devices and the mesh). The model says what to compute with logical axis names; i
 attention, the embedding lookup, the experts' work, chunks of positions, remat and the scan's unroll,
 and never sees the mesh or shard_map.
 
-A plan is frozen and hashable (a field of model.ModelArgs). `Plan.from_resolved` takes a config resolved
+A plan is frozen and hashable (a field of maxtrain.models.args.ModelArgs). `Plan.from_resolved` takes a config resolved
 for the devices (maxtrain.config.resolve); `Plan.single_device` takes a config as loaded, its auto values as the
 reference choices (dot_product attention, no chunks, the scan's loop, the blocked grouped matmul), which
 is all a unit test on one device needs.
@@ -28,7 +28,7 @@ class Plan:
     attention: str = "dot_product"  # a kernel of attention.KERNELS, or splash
     mlp_chunk: int = 0  # positions per chunk of a dense MLP; 0 = the whole sequence at once
     moe_chunk: int = 0  # the same for an MoE layer's experts
-    moe_grouped_matmul: str = "blocked"  # megablox | ragged_dot | blocked (moe.grouped_matmul)
+    moe_grouped_matmul: str = "blocked"  # megablox | ragged_dot | blocked (maxtrain.ops.grouped_matmul)
     remat_policy: str = "none"  # a name in remat.POLICIES
     scan_unroll: int = 1  # layers per iteration of the scanned loop
     context_load_balance: bool = False  # under context parallelism the batch is in attention.zigzag_order
