@@ -23,6 +23,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 from maxtrain.config import help as cli_help, load as config_lib, platform_defaults, resolve  # noqa: E402
+
+
+from maxtrain.config import keys as config_keys
 from maxtrain.runtime import errors
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.observe import metrics
@@ -38,12 +41,12 @@ def topology(name: str) -> tuple[str, str, float, int]:
     """'v5p-128' -> ('v5p', 'v5p:4x4x4', HBM GiB per chip, chips)."""
     m = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name)
     if not m:
-        raise config_lib.ConfigError("compile_topology", f"{name!r}: expected v4-N, v5e-N, v5p-N or v6e-N")
+        raise config_keys.ConfigError("compile_topology", f"{name!r}: expected v4-N, v5e-N, v5p-N or v6e-N")
     gen, n = m.group(1), int(m.group(2))
     hbm, per_chip, ndim = CHIPS[gen]
     chips = n // per_chip
     if chips < 1 or n % per_chip or chips & (chips - 1):
-        raise config_lib.ConfigError("compile_topology", f"{name!r}: the chip count must be a power of two")
+        raise config_keys.ConfigError("compile_topology", f"{name!r}: the chip count must be a power of two")
     dims = [1] * ndim
     while math.prod(dims) < chips:  # as cubic as possible: double the smallest side
         dims[dims.index(min(dims))] *= 2
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     def run():
         c = config_lib.load(argv)
         if not c.compile_topology:
-            raise config_lib.ConfigError("compile_topology", "name a topology to compile for, e.g. v5p-128")
+            raise config_keys.ConfigError("compile_topology", "name a topology to compile for, e.g. v5p-128")
         return compile_for(c)
     return errors.exit_code(run)
 

@@ -36,7 +36,10 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain.checkpoint import manager as ckpt_lib, digest as digest_lib, hf_tokenizer as export_tokenizer
+
+from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.config import help as cli_help, load as config_lib
+from maxtrain.config import keys as config_keys
 from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.checkpoint.hf_format import (HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_names, read_json,
                                 tokenizer_settings)
@@ -86,7 +89,7 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
     base = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides])
     if config_path:  # the named config must describe this very model
         for key, value in hf_keys.items():
-            if base[key] != value and key not in config_lib.MODEL_TRAINING_KEYS:
+            if base[key] != value and key not in config_keys.MODEL_TRAINING_KEYS:
                 raise ConvertError(f"{key}: {config_path} says {base[key]!r}, {hf_path}/config.json implies {value!r}")
     c = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides,
                          *(f"{k}={_as_override(v)}" for k, v in hf_keys.items())])
@@ -111,14 +114,14 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
     params = read_hf_params(reader, c, whole, layer)
     with staged(out_path) as tmp:
         try:
-            ckpt_lib.save_parameters(tmp, params, c)
+            ckpt_loading.save_parameters(tmp, params, c)
         except Exception as e:  # Orbax's writers raise many types; all of them are about --out here
             raise unwritable(out_path, e) from None
         (tmp / "hf").mkdir()
         for name in HF_SIDE_FILES:
             if (hf_path / name).is_file():
                 shutil.copy(hf_path / name, tmp / "hf" / name)
-        settings = {k: c[k] for k in config_lib.PRESET_KEYS} | {"scan_layers": c.scan_layers,
+        settings = {k: c[k] for k in config_keys.PRESET_KEYS} | {"scan_layers": c.scan_layers,
                                                                "weight_dtype": c.weight_dtype} | tokenizer
         if config_path:
             settings = {"base_config": str(Path(config_path).absolute())} | settings
@@ -197,19 +200,19 @@ class CheckpointParams:
     def __init__(self, checkpoint: str):
         import orbax.checkpoint as ocp
         self._ocp = ocp
-        self.step_dir = ckpt_lib.step_directory(checkpoint, "--checkpoint")
-        saved = ckpt_lib.read_model(self.step_dir, "--checkpoint")
+        self.step_dir = ckpt_loading.step_directory(checkpoint, "--checkpoint")
+        saved = ckpt_loading.read_model(self.step_dir, "--checkpoint")
         # Keys added since the checkpoint was written had their default (as checkpoint.check_model assumes).
         defaults = config_lib.defaults()
-        self.signature = {k: defaults[k] for k in config_lib.PRESET_KEYS} | saved
-        missing = [k for k in (*config_lib.MODEL_KEYS, "scan_layers") if k not in self.signature]
+        self.signature = {k: defaults[k] for k in config_keys.PRESET_KEYS} | saved
+        missing = [k for k in (*config_keys.MODEL_KEYS, "scan_layers") if k not in self.signature]
         if missing:
             raise ConvertError(f"{checkpoint}: model description lacks {', '.join(missing)} (older maxtrain?)")
         self._checkpointer = ocp.PyTreeCheckpointer()
         try:
             self.metadata = self._checkpointer.metadata(self.step_dir / "state").item_metadata.tree["params"]
         except Exception as e:  # Orbax raises many types for unreadable data
-            raise ckpt_lib.restore_failed("--checkpoint", self.step_dir, e) from None
+            raise ckpt_loading.restore_failed("--checkpoint", self.step_dir, e) from None
         # A training run's step has a digest (parameters written by hf_to_maxtrain have none): each
         # parameter is checked against it as it is read, as a restore would check the whole state.
         self.record = ckpt_lib._read_digest(self.step_dir, "--checkpoint")
@@ -226,7 +229,7 @@ class CheckpointParams:
             restored = self._checkpointer.restore(self.step_dir / "state", args=self._ocp.args.PyTreeRestore(
                 item=target, restore_args=restore_args, partial_restore=True))
         except Exception as e:
-            raise ckpt_lib.restore_failed("--checkpoint", self.step_dir, e) from None
+            raise ckpt_loading.restore_failed("--checkpoint", self.step_dir, e) from None
         self._verify(restored["params"])
         return _get(restored["params"], path)
 
@@ -278,7 +281,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
     if source:
         theirs = model_keys_from_hf(source)
         # A training setting (the balancing loss weight) goes out as the checkpoint has it.
-        differ = [k for k, v in theirs.items() if k in m and m[k] != v and k not in config_lib.MODEL_TRAINING_KEYS]
+        differ = [k for k, v in theirs.items() if k in m and m[k] != v and k not in config_keys.MODEL_TRAINING_KEYS]
         if differ:
             raise ConvertError(f"--hf_source {source_dir}: {differ[0]} differs (HF config {theirs[differ[0]]!r}, "
                                f"checkpoint {m[differ[0]]!r})")
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("maxtrain_to_hf", help="maxtrain checkpoint step directory -> HF directory")
     exp.add_argument("--checkpoint", required=True, help="<run>/checkpoints/<step> or a converted directory")
     exp.add_argument("--out", required=True)
-    exp.add_argument("--dtype", choices=config_lib.DTYPES, help="default: the checkpoint's parameter dtype")
+    exp.add_argument("--dtype", choices=config_keys.DTYPES, help="default: the checkpoint's parameter dtype")
     exp.add_argument("--hf_source", help="HF directory whose other settings and tokenizer files to carry over "
                      "(default: found from an imported checkpoint or a run that started from one)")
     exp.add_argument("--max_position_embeddings", type=int, help="default: the HF source's, else the run's "

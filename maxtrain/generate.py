@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.checkpoint import manager as ckpt_lib
+
+from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.config import help as cli_help, load as config_lib
+from maxtrain.config import keys as config_keys, validate as config_validate
 from maxtrain.runtime import errors, platform_env
 from maxtrain.observe import fit, summary
 from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
@@ -86,10 +88,10 @@ def check_length(c: config_lib.Config, prompt_ids: list[int]) -> None:
     room = c.max_target_length - len(prompt_ids)
     key = "prompt_ids" if c.prompt_ids else "prompt"
     if room <= 0:
-        raise config_lib.ConfigError(key, f"{len(prompt_ids)} tokens leave no room for new ones in "
+        raise config_keys.ConfigError(key, f"{len(prompt_ids)} tokens leave no room for new ones in "
                                      f"max_target_length={c.max_target_length}")
     if c.max_new_tokens > room:
-        raise config_lib.ConfigError("max_new_tokens", f"{c.max_new_tokens} after a {len(prompt_ids)}-token prompt "
+        raise config_keys.ConfigError("max_new_tokens", f"{c.max_new_tokens} after a {len(prompt_ids)}-token prompt "
                                      f"exceeds max_target_length={c.max_target_length}, the context the model "
                                      f"runs at: at most {room} (raise max_target_length to go further)")
 
@@ -106,15 +108,15 @@ def check_memory(compiled, mesh, total: int, max_new_tokens: int) -> None:
 
 def run(c: config_lib.Config) -> list[int]:
     if not c.load_parameters_path:
-        raise config_lib.ConfigError("load_parameters_path", "required: the checkpoint to generate from "
+        raise config_keys.ConfigError("load_parameters_path", "required: the checkpoint to generate from "
                                      "(<run>/checkpoints/<step>, or a directory written by maxtrain.convert)")
     if bool(c.prompt) == bool(c.prompt_ids):
-        raise config_lib.ConfigError("prompt", 'set exactly one of prompt="text" or prompt_ids=1,2,3')
+        raise config_keys.ConfigError("prompt", 'set exactly one of prompt="text" or prompt_ids=1,2,3')
     if c.prompt_ids:  # the tokenizer is optional here: it only turns the output into text
-        prompt_ids = config_lib.prompt_token_ids(c.prompt_ids)
+        prompt_ids = config_validate.prompt_token_ids(c.prompt_ids)
         try:
             tokenizer = tokenizer_lib.make_tokenizer(c)
-        except config_lib.ConfigError as e:
+        except config_keys.ConfigError as e:
             say(f"printing ids only, no text: {e}")
             tokenizer = None
     else:
@@ -122,13 +124,13 @@ def run(c: config_lib.Config) -> list[int]:
         tokenizer.add_eos = False  # a prompt is an unfinished document
         prompt_ids = tokenizer.encode(c.prompt).tolist()
     if not prompt_ids:
-        raise config_lib.ConfigError("prompt_ids" if c.prompt_ids else "prompt", "gives no tokens to start from")
+        raise config_keys.ConfigError("prompt_ids" if c.prompt_ids else "prompt", "gives no tokens to start from")
     check_length(c, prompt_ids)
 
     mesh = mesh_lib.make_mesh(c)
     trainer = step_lib.build(c, mesh)
     with mesh_lib.activate(mesh, trainer.rules):
-        params = ckpt_lib.load_parameters(c, trainer.abstract_state.params)
+        params = ckpt_loading.load_parameters(c, trainer.abstract_state.params)
         new = generate(c, trainer, params, prompt_ids, c.max_new_tokens, c.temperature, c.top_k,
                        c.sampling_seed, tokenizer.eos_id if tokenizer else None)
     say(f"prompt ids: {prompt_ids}")

@@ -22,6 +22,8 @@ import os
 import time
 
 from maxtrain.config import load as config_lib, platform_defaults, help as cli_help, run_name as run_name_lib
+
+from maxtrain.config import validate as config_validate
 from maxtrain.runtime import errors, distributed, platform_env, run_dir as run_dir_lib
 from maxtrain.data import pipeline as data
 from maxtrain.observe import fit, writers as metric_writers, progress, run_record, summary
@@ -40,7 +42,7 @@ def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
 
 def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
-    for warning in config_lib.no_effect_warnings(c):
+    for warning in config_validate.no_effect_warnings(c):
         say(f"warning: {warning}")
     metric_writers.check_installed(c)
     mesh = mesh_lib.make_mesh(c, devices)

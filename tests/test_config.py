@@ -7,7 +7,7 @@ import pytest
 
 from maxtrain.config import load as config
 from maxtrain.config.resolve import resolve
-from maxtrain.config.load import ConfigError
+from maxtrain.config.keys import ConfigError
 
 from conftest import TINY
 

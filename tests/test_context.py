@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from maxtrain.ops import attention
-from maxtrain.config import load as config_lib
+from maxtrain.config import keys as config_keys
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 
@@ -120,7 +120,7 @@ def test_the_load_balanced_layout_gives_every_shard_the_same_work(shards):
      "per_device_batch_size: 0.0625 x 8 devices is not a whole batch"),
 ])
 def test_bad_context_settings_name_the_key(tiny_config, overrides, message):
-    with pytest.raises(config_lib.ConfigError) as err:
+    with pytest.raises(config_keys.ConfigError) as err:
         tiny_config(*overrides)
     assert str(err.value).startswith(message), str(err.value)
 

@@ -17,7 +17,8 @@ import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
-from maxtrain.checkpoint import manager as ckpt_lib
+
+from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain import convert, generate, train
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
@@ -66,7 +67,7 @@ def load_maxtrain(config_path, *overrides, n_devices=8):
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
     with mesh_lib.activate(mesh, trainer.rules):
-        params = ckpt_lib.load_parameters(c, trainer.abstract_state.params)
+        params = ckpt_loading.load_parameters(c, trainer.abstract_state.params)
     return c, trainer, params
 
 

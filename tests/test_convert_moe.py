@@ -19,8 +19,10 @@ from safetensors.torch import load_file as load_torch, save_file
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from maxtrain.checkpoint import manager as ckpt_lib
+
+from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.config import load as config_lib
+from maxtrain.config import keys as config_keys
 from maxtrain import convert, generate
 from maxtrain.models import hf as hf_format
 from maxtrain.parallel import mesh as mesh_lib
@@ -70,7 +72,7 @@ def load_maxtrain(config_path, *overrides, n_devices=8):
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
     with mesh_lib.activate(mesh, trainer.rules):
-        params = ckpt_lib.load_parameters(c, trainer.abstract_state.params)
+        params = ckpt_loading.load_parameters(c, trainer.abstract_state.params)
     return c, trainer, params
 
 
@@ -362,7 +364,7 @@ def test_export_of_a_dense_checkpoint_written_before_the_moe_keys(tmp_path):
     model.save_pretrained(tmp_path / "hf")
     out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"))
     metadata = out / "model" / "metadata"  # the model description, as an older maxtrain wrote it
-    old_keys = config_lib.MODEL_KEYS[:config_lib.MODEL_KEYS.index("qkv_bias") + 1] + ("scan_layers",)
+    old_keys = config_keys.MODEL_KEYS[:config_keys.MODEL_KEYS.index("qkv_bias") + 1] + ("scan_layers",)
     metadata.write_text(json.dumps({k: v for k, v in json.loads(metadata.read_text()).items() if k in old_keys}))
     convert.maxtrain_to_hf(str(out), str(tmp_path / "back"))
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()

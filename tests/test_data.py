@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from maxtrain.data import pipeline as data
-from maxtrain.config.load import ConfigError
+from maxtrain.config.keys import ConfigError
 from maxtrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, make_tokenizer
 
 from conftest import SHAKESPEARE, TESTS

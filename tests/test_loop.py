@@ -1,7 +1,7 @@
 """The training loop's clean-up: however a run ends, what it set up is taken down again."""
 
-import os
 import contextlib
+import os
 import signal
 
 import jax

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from conftest import TESTS, TINY
 from maxtrain.config import load as config_lib
+from maxtrain.config import keys as config_keys
 from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
 from maxtrain.models import moe
 from maxtrain.models.args import ModelArgs
@@ -31,7 +32,7 @@ MESHES = {"expert1": (1, 8, 1, 1, 1), "expert8": (1, 1, 8, 1, 1), "expert4xfsdp2
 
 
 def mesh_overrides(shape):
-    return [f"ici_{a}_parallelism={n}" for a, n in zip(config_lib.MESH_AXES, shape)]
+    return [f"ici_{a}_parallelism={n}" for a, n in zip(config_keys.MESH_AXES, shape)]
 
 
 def with_plan(args, **changes):
@@ -55,7 +56,7 @@ def apply_block(args, params, x, c=None, shape=None):
     fn = jax.jit(lambda p, x: moe.MoEBlock(args).apply({"params": p}, x))
     if shape is None:
         return np.asarray(fn(params, x))
-    mesh = Mesh(np.asarray(jax.devices()).reshape(shape), config_lib.MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()).reshape(shape), config_keys.MESH_AXES)
     with mesh_lib.activate(mesh, rules_lib.axis_rules(c)):
         return np.asarray(fn(params, x))
 
@@ -164,7 +165,7 @@ def test_chunks_of_positions_give_the_whole_sequences_gradients(tiny_config):
     args, c = block_args(tiny_config, *mesh_overrides(MESHES["expert4xfsdp2"]))
     x = random_x(args)
     params = init_block(args, x)
-    mesh = Mesh(np.asarray(jax.devices()).reshape(MESHES["expert4xfsdp2"]), config_lib.MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()).reshape(MESHES["expert4xfsdp2"]), config_keys.MESH_AXES)
 
     def grads(a):
         loss = lambda p, x: jnp.sum(jnp.sin(moe.MoEBlock(a).apply({"params": p}, x)))  # noqa: E731
@@ -330,7 +331,7 @@ def test_update_router_bias_raises_underloaded_experts():
     (("num_experts=0",), "num_experts"),
 ])
 def test_bad_moe_configs_name_the_key(tiny_config, overrides, key):
-    with pytest.raises(config_lib.ConfigError) as e:
+    with pytest.raises(config_keys.ConfigError) as e:
         tiny_config(*overrides)
     assert e.value.key == key and "\n" not in str(e.value)
 

@@ -16,7 +16,7 @@ def test_off_by_default(train_tiny, tmp_path):
 
 
 def test_bad_profiler_settings_are_config_errors(tiny_config):
-    from maxtrain.config.load import ConfigError
+    from maxtrain.config.keys import ConfigError
     with pytest.raises(ConfigError, match='profiler: .perfetto. is not one of "", xplane'):
         tiny_config("profiler=perfetto")
     with pytest.raises(ConfigError, match="profiler_steps: must be a positive integer"):

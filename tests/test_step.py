@@ -188,7 +188,7 @@ def test_memory_levers_in_bfloat16(tiny_config):
 
 def test_loss_chunk_size_must_divide_length(tiny_config):
     import pytest
-    from maxtrain.config.load import ConfigError
+    from maxtrain.config.keys import ConfigError
     with pytest.raises(ConfigError) as e:
         tiny_config("loss_chunk_size=5")
     assert e.value.key == "loss_chunk_size"

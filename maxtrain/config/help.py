@@ -15,6 +15,8 @@ import yaml
 
 from maxtrain.config import load as config_lib
 
+from maxtrain.config import keys as config_keys
+
 HELP_FLAGS = ("-h", "--help")
 KEYS_FLAG = "--help-keys"
 _KEY_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):(.*)$")
@@ -71,7 +73,7 @@ def matching_keys(pattern: str | None) -> list[str]:
     if not names:
         close = difflib.get_close_matches(pattern, list(docs), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else f"; {KEYS_FLAG} with no pattern lists all {len(docs)}"
-        raise config_lib.ConfigError(KEYS_FLAG, f"no key matches {pattern!r}{hint}")
+        raise config_keys.ConfigError(KEYS_FLAG, f"no key matches {pattern!r}{hint}")
     width = max(len(f"{k}: {docs[k][0]}") for k in names)
     return [f"{k}: {docs[k][0]}".ljust(width) + (f"  # {docs[k][1]}" if docs[k][1] else "") for k in names]
 
@@ -83,7 +85,7 @@ def handle(argv: list[str], usage: str) -> int | None:
         rest = argv[argv.index(KEYS_FLAG) + 1:]
         try:
             lines = matching_keys(rest[0] if rest else None)
-        except config_lib.ConfigError as e:
+        except config_keys.ConfigError as e:
             print(f"{e.kind} error: {e}", file=sys.stderr, flush=True)
             return 2
         print("\n".join(lines), flush=True)

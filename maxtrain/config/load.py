@@ -10,100 +10,19 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from maxtrain.models import quantization
 from maxtrain.config import run_name as run_name_lib, yaml_file
-from maxtrain.runtime import storage
-from maxtrain.runtime.errors import UserError
+from maxtrain.config.keys import FLOAT32_MAX, INT_MAX, PRESET_KEYS, RENAMED, UPPER_BOUNDS, ConfigError
+from maxtrain.config.validate import validate
 from maxtrain.models import registry
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
 BASE_YML = CONFIG_DIR / "base.yml"
-
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
-DTYPES = ("float32", "bfloat16")
-MODEL_KEYS = (
-    "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
-    "base_mlp_dim", "base_num_decoder_layers", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
-    "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
-    "logits_via_embedding", "qkv_bias", "use_qk_norm", "num_experts", "num_experts_per_tok", "base_moe_mlp_dim",
-    "shared_experts", "first_num_dense_layers", "routed_score_func", "norm_topk_prob", "routed_scaling_factor",
-    "routed_bias",
-)
-# Keys that name files or directories: each may be a local path or a URL (maxtrain.runtime.storage).
-PATH_KEYS = ("base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
-             "load_parameters_path")
-# Training settings a model carries with it (a preset, an HF config.json, a checkpoint's description: HF's
-# router_aux_loss_coef), which a fine-tune may change: never part of the model's shape.
-MODEL_TRAINING_KEYS = ("load_balance_loss_weight",)
-PRESET_KEYS = (*MODEL_KEYS, *MODEL_TRAINING_KEYS)
-# Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.models.remat.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": DTYPES,
-    "weight_dtype": DTYPES,
-    "mu_dtype": DTYPES,
-    "learning_rate_schedule": ("cosine", "linear", "constant"),
-    "dataset_type": ("synthetic", "text", "parquet", "array_record"),
-    "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
-    "attention": ("auto", "dot_product", "blockwise", "jax_nn", "splash"),
-    "distributed_init": ("auto", "true", "false"),
-    "nan_policy": ("skip", "stop", "rollback"),
-    "profiler": ("", "xplane"),
-    "routed_score_func": ("softmax", "sigmoid"),
-    "moe_grouped_matmul": ("auto", "megablox", "ragged_dot", "blocked"),
-    "quantization": ("", *quantization.MODES),
-}
-POSITIVE_INTS = (
-    "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
-    "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_num_decoder_layers",
-    "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
-    "distributed_heartbeat_timeout_seconds", "max_new_tokens", "profiler_start_step", "profiler_steps",
-    "num_experts", "num_experts_per_tok",
-)
-INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
-METRICS_BACKENDS = ("tensorboard", "jsonl", "wandb")
-# Keys that were replaced: what to write instead.
-RENAMED = {"enable_tensorboard": "replaced by metrics_backends (default tensorboard,jsonl; metrics_backends=jsonl "
-                                 "writes no tensorboard events)"}
-
-# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
-# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
-# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
-# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
-VOCAB_MULTIPLE = 128
-
-
-def padded_vocab(vocab: int) -> int:
-    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-FLOAT32_MAX = 3.4028234663852886e38  # float keys reach jax as float32: larger is inf there
-# Upper bounds (inclusive) of keys whose products reach jax as int32 or that unroll Python loops when
-# traced, far above any real model's values (the presets' largest: 256 experts); beside each, what the
-# allowed range means.
-UPPER_BOUNDS: dict[str, tuple[int, str]] = {
-    "per_device_batch_size": (INT_MAX, "sequences; the global batch reaches jax as int32"),
-    # blockwise attention unrolls a block per 256 positions when traced
-    "max_target_length": (2**21, "positions"),
-    # the blocked grouped matmul pads each expert's rows to blocks of up to 512: rows reach jax as int32
-    "num_experts": (2**16, "experts"),
-    # capacity = factor x length x top-k / experts: below 2**31 with the length's bound
-    "capacity_factor": (1000, "<= 0 is dropless; above num_experts / num_experts_per_tok nothing is dropped"),
-}
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-class ConfigError(UserError, ValueError):
-    """A user-fixable config problem; `str()` is the one line the CLI prints."""
-    kind = "config"
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
 
 
 class Config(Mapping):
@@ -287,7 +206,7 @@ def load(argv: Sequence[str]) -> Config:
         values[key] = _check_type(key, value, defaults[key])
     values["run_name_derived"] = not values["run_name"]  # none given: named after what defines the run
     values["run_name"] = values["run_name"] or run_name_lib.derive(argv[0], values, defaults)
-    _validate(values)
+    validate(values)
     return Config(_derive_static(values))
 
 
@@ -301,170 +220,6 @@ def _read_preset(name: str) -> dict[str, Any]:
         if key not in PRESET_KEYS:
             raise ConfigError(key, f"model preset {path.name} may only set model keys")
     return preset
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation
-
-
-def _validate(c: dict[str, Any]) -> None:
-    from maxtrain.models.remat import POLICY_NAMES  # the remat module owns the list of policies
-
-    choices = {**CHOICES, "remat_policy": POLICY_NAMES}
-    for key, allowed in choices.items():
-        if c[key] not in allowed:
-            shown = ", ".join(a or '""' for a in allowed)
-            raise ConfigError(key, f"{c[key]!r} is not one of {shown}")
-    for key in POSITIVE_INTS:
-        if c[key] <= 0:
-            raise ConfigError(key, f"must be a positive integer, got {c[key]}")
-    if c["per_device_batch_size"] <= 0:
-        raise ConfigError("per_device_batch_size", "must be > 0")
-    for key, (most, meaning) in UPPER_BOUNDS.items():
-        if c[key] > most:
-            raise ConfigError(key, f"{c[key]!r} is out of range: at most {most} ({meaning})")
-    if c["head_dim"] % 2:
-        raise ConfigError("head_dim", f"{c['head_dim']} must be even (RoPE rotates pairs of dimensions)")
-    if c["data_shuffle_seed"] < 0:
-        raise ConfigError("data_shuffle_seed", f"must be >= 0, got {c['data_shuffle_seed']}")
-    if c["base_num_query_heads"] % c["base_num_kv_heads"]:
-        raise ConfigError("base_num_kv_heads", f"{c['base_num_kv_heads']} must divide "
-                          f"base_num_query_heads={c['base_num_query_heads']}")
-    if not 0 <= c["warmup_steps_fraction"] <= 1:
-        raise ConfigError("warmup_steps_fraction", "must be in [0, 1]")
-    if not 0 <= c["cosine_learning_rate_final_fraction"] <= 1:
-        raise ConfigError("cosine_learning_rate_final_fraction", "must be in [0, 1]")
-    for key in ("adam_b1", "adam_b2"):
-        if not 0 <= c[key] < 1:
-            raise ConfigError(key, "must be in [0, 1)")
-    for key in ("learning_rate", "adam_eps", "adam_weight_decay", "gradient_clipping_threshold",
-                "z_loss_multiplier", "peak_tflops_per_device", "normalization_layer_epsilon", "temperature",
-                "top_k", "load_balance_loss_weight", "router_z_loss_weight", "routed_bias_update_rate",
-                "shared_experts", "first_num_dense_layers"):
-        if c[key] < 0:
-            raise ConfigError(key, "must be >= 0")
-    backends = [b.strip() for b in c["metrics_backends"].split(",") if b.strip()]
-    for b in backends:
-        if b not in METRICS_BACKENDS:
-            raise ConfigError("metrics_backends", f"{b!r} is not one of {', '.join(METRICS_BACKENDS)}")
-        if backends.count(b) > 1:
-            raise ConfigError("metrics_backends", f"{b!r} is named twice")
-    c["metrics_backends"] = ",".join(backends)
-    if c["scan_unroll"] == 0 or c["scan_unroll"] < -1:
-        raise ConfigError("scan_unroll", "must be positive or -1 (auto)")
-    for key in ("loss_chunk_size", "mlp_chunk_size"):
-        if c[key] < -1 or (c[key] > 0 and c["max_target_length"] % c[key]):
-            raise ConfigError(key, f"must be -1 (auto), 0 or divide max_target_length={c['max_target_length']}")
-    if c["attention"] == "splash" and c["max_target_length"] % 128:
-        raise ConfigError("attention", f"splash needs max_target_length divisible by 128, got {c['max_target_length']}")
-    if c["rope_theta"] <= 0:
-        raise ConfigError("rope_theta", "must be > 0")
-    if c["rope_scaling_factor"] < 1:
-        raise ConfigError("rope_scaling_factor", "must be >= 1 (1 = no scaling)")
-    if c["rope_scaling_factor"] > 1 and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
-        raise ConfigError("rope_high_freq_factor", "must exceed rope_low_freq_factor, which must be > 0")
-    if c["rope_original_max_position_embeddings"] <= 0:
-        raise ConfigError("rope_original_max_position_embeddings", "must be a positive integer")
-    if c["learning_rate_schedule_steps"] == 0 or c["learning_rate_schedule_steps"] < -1:
-        raise ConfigError("learning_rate_schedule_steps", "must be -1 (= steps) or positive")
-    if c["max_nonfinite_steps"] < 0:
-        raise ConfigError("max_nonfinite_steps", "must be >= 0")
-    if c["loss_spike_factor"] != 0 and c["loss_spike_factor"] <= 1:
-        raise ConfigError("loss_spike_factor", "must be 0 (no spike test) or > 1")
-    for key in ("checkpoint_period", "max_num_checkpoints_to_keep"):
-        if c[key] < (1 if key == "checkpoint_period" else 0):
-            raise ConfigError(key, "must be a positive integer" if key == "checkpoint_period" else "must be >= 0")
-    if not 0 <= c["eval_split_fraction"] < 1:
-        raise ConfigError("eval_split_fraction", "must be in [0, 1)")
-    if c["eval_interval"] < 0 or c["grain_worker_count"] < 0:
-        raise ConfigError("eval_interval" if c["eval_interval"] < 0 else "grain_worker_count", "must be >= 0")
-    if c["num_epochs"] == 0 or c["num_epochs"] < -1:
-        raise ConfigError("num_epochs", "must be positive or -1 (repeat)")
-    if c["dataset_type"] != "synthetic" and not c["train_files"]:
-        raise ConfigError("train_files", f"dataset_type={c['dataset_type']} needs train_files (comma-separated globs)")
-    for key in PATH_KEYS:  # URLs: a scheme that cannot be used is one line naming the key
-        for value in c[key].split(",") if key.endswith("_files") else [c[key]]:
-            storage.check(value.strip(), key)
-    if c["load_full_state_path"] and c["load_parameters_path"]:
-        raise ConfigError("load_parameters_path", "set either load_full_state_path or load_parameters_path, not both")
-    if not RUN_NAME.fullmatch(c["run_name"]):
-        raise ConfigError("run_name", f"{c['run_name']!r} is not a plain name (letters, digits, '.', '_', '-'; "
-                          "not starting with '.')")
-    for group in ("ici", "dcn"):
-        sizes = {a: c[f"{group}_{a}_parallelism"] for a in MESH_AXES}
-        for axis, size in sizes.items():
-            if size == 0 or size < -1:
-                raise ConfigError(f"{group}_{axis}_parallelism", "must be positive or -1 (fill)")
-        if list(sizes.values()).count(-1) > 1:
-            raise ConfigError(f"{group}_*_parallelism", "at most one axis per group may be -1")
-    _validate_moe(c)
-    quantization.validate(c, ConfigError)
-    _validate_rules(c["logical_axis_rules"])
-    _validate_prompt_ids(c["prompt_ids"], c["vocab_size"])
-    if c["top_k"] > c["vocab_size"]:
-        raise ConfigError("top_k", f"{c['top_k']} exceeds vocab_size={c['vocab_size']}")
-
-
-def _validate_moe(c: dict[str, Any]) -> None:
-    if c["num_experts_per_tok"] > c["num_experts"]:
-        raise ConfigError("num_experts_per_tok", f"{c['num_experts_per_tok']} exceeds num_experts={c['num_experts']}")
-    if c["base_moe_mlp_dim"] == 0 or c["base_moe_mlp_dim"] < -1:
-        raise ConfigError("base_moe_mlp_dim", "must be positive or -1 (= base_mlp_dim)")
-    if c["routed_scaling_factor"] <= 0:
-        raise ConfigError("routed_scaling_factor", "must be > 0")
-    if c["num_experts"] == 1:  # a dense model: the MoE keys that shape the model must stay at their defaults
-        for key in ("shared_experts", "first_num_dense_layers", "routed_bias"):
-            if c[key]:
-                raise ConfigError(key, "needs num_experts > 1 (a mixture of experts)")
-    elif c["first_num_dense_layers"] >= c["base_num_decoder_layers"]:
-        raise ConfigError("first_num_dense_layers", f"{c['first_num_dense_layers']} leaves no MoE layer of "
-                          f"base_num_decoder_layers={c['base_num_decoder_layers']}")
-
-
-def prompt_token_ids(text: str) -> list[int]:
-    return [int(t) for t in text.replace(" ", "").split(",") if t]
-
-
-def _validate_prompt_ids(text: str, vocab_size: int) -> None:
-    try:
-        ids = prompt_token_ids(text)
-    except ValueError:
-        raise ConfigError("prompt_ids", f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ConfigError("prompt_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-
-
-def _validate_rules(rules: Any) -> None:
-    key = "logical_axis_rules"
-    if not isinstance(rules, list):
-        raise ConfigError(key, "must be a list of [logical_name, mesh_axis | [mesh_axes] | null]")
-    for rule in rules:
-        if not (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ConfigError(key, f"bad rule {rule!r}; expected [logical_name, mesh_axes]")
-        target = rule[1]
-        axes = [] if target is None else [target] if isinstance(target, str) else target
-        if not isinstance(axes, list) or any(a not in MESH_AXES for a in axes):
-            raise ConfigError(key, f"rule {rule!r}: mesh axes must be among {', '.join(MESH_AXES)}")
-
-
-def no_effect_warnings(c: Mapping[str, Any]) -> list[str]:
-    """Settings that cannot take effect in this run, each as `<key>: ...`: not errors (a shared config may
-    carry them), but a user who set them expects something that will not happen."""
-    warnings = []
-    if c["eval_interval"] > 0:  # data.make_iterators makes eval batches only from eval_files or a split
-        if c["dataset_type"] == "synthetic":
-            warnings.append(f"eval_interval: {c['eval_interval']} has no effect: dataset_type=synthetic has no "
-                            "eval data")
-        elif not c["eval_files"] and c["eval_split_fraction"] == 0:
-            warnings.append(f"eval_interval: {c['eval_interval']} has no effect: no eval data (set eval_files or "
-                            "eval_split_fraction)")
-    if c["profiler"] and c["profiler_start_step"] > c["steps"]:
-        warnings.append(f"profiler_start_step: {c['profiler_start_step']} is after the last step (steps="
-                        f"{c['steps']}): profiler={c['profiler']} traces nothing")
-    if c["capacity_factor"] > 0 and c["num_experts"] == 1:
-        warnings.append(f"capacity_factor: {c['capacity_factor']} has no effect: num_experts=1 (a dense model)")
-    return warnings
 
 
 # ---------------------------------------------------------------------------------------------

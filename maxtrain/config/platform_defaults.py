@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from maxtrain.models import quantization
-from maxtrain.config.load import ConfigError, padded_vocab
+from maxtrain.config.keys import ConfigError, padded_vocab
 from maxtrain.parallel import rules
 
 

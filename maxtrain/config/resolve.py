@@ -14,7 +14,8 @@ from typing import Any
 import jax
 
 from maxtrain.config import platform_defaults
-from maxtrain.config.load import INT_MAX, MESH_AXES, Config, ConfigError
+from maxtrain.config.load import Config
+from maxtrain.config.keys import INT_MAX, MESH_AXES, ConfigError
 from maxtrain.parallel import rules as rules_lib
 from maxtrain.parallel.plan import Plan
 

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from maxtrain.runtime import storage
-from maxtrain.config.load import Config, ConfigError
+from maxtrain.config.load import Config
+from maxtrain.config.keys import ConfigError
 from maxtrain.runtime.errors import UserError
 from maxtrain.data.tokenizer import Tokenizer, make_tokenizer
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from maxtrain.runtime import storage
-from maxtrain.config.load import Config, ConfigError
+from maxtrain.config.load import Config
+from maxtrain.config.keys import ConfigError
 
 
 class Tokenizer:

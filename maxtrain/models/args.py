@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from maxtrain.config.load import padded_vocab
+from maxtrain.config.keys import padded_vocab
 from maxtrain.config.resolve import Resolved
 from maxtrain.models import quantization, stacks as stacks_lib
 from maxtrain.parallel.plan import Plan

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.config.load import padded_vocab
+from maxtrain.config.keys import padded_vocab
 from maxtrain.checkpoint.hf_format import ConvertError, Tensor
 from maxtrain.models import registry
 from maxtrain.models.decoder_spec import moe_width

@@ -22,7 +22,7 @@ import jax
 import yaml
 
 from maxtrain.runtime import storage
-from maxtrain.config.load import ConfigError
+from maxtrain.config.keys import ConfigError
 from maxtrain.runtime.errors import RunError
 
 EXTRAS = {"wandb": "wandb"}  # backend -> the pyproject extra that installs its package

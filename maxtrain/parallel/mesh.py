@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from maxtrain.config.load import MESH_AXES
+from maxtrain.config.keys import MESH_AXES
 
 
 def make_mesh(config, devices=None) -> Mesh:

@@ -10,6 +10,8 @@ import jax
 import yaml
 
 from maxtrain.config import load as config_lib, yaml_file
+
+from maxtrain.config import keys as config_keys
 from maxtrain.observe import run_record
 from maxtrain.runtime import storage
 
@@ -23,7 +25,7 @@ def make(c: config_lib.Config) -> tuple[Path, bool]:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise config_lib.ConfigError("base_output_directory",
+            raise config_keys.ConfigError("base_output_directory",
                                          f"cannot write {run_dir}: {e.strerror or storage.error_text(e)}") from None
     return run_dir, created
 
@@ -46,7 +48,7 @@ def write_config(c: config_lib.Config, run_dir: Path, record: dict) -> None:
         finally:
             f.close()
     except OSError as e:
-        raise config_lib.ConfigError("base_output_directory",
+        raise config_keys.ConfigError("base_output_directory",
                                      f"cannot write {run_dir}: {e.strerror or storage.error_text(e)}") from None
     changed = run_record.differences(kept, c) if kept is not None else ""
     if changed:

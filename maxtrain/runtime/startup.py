@@ -9,6 +9,8 @@ import os
 import jax
 
 from maxtrain.config import load as config_lib, resolve
+
+from maxtrain.config import keys as config_keys
 from maxtrain.runtime import distributed
 
 
@@ -25,7 +27,7 @@ def load_config(argv: list[str], devices=None) -> resolve.Resolved:
     if jax.process_count() > 1 and c.num_epochs != -1 and c.dataset_type != "synthetic":
         # Each process reads its own share of the documents and the shares end at different steps:
         # the processes that ran out would stop while the others wait for them in the step.
-        raise config_lib.ConfigError("num_epochs", f"{c.num_epochs}: with several processes use -1 (repeat) "
+        raise config_keys.ConfigError("num_epochs", f"{c.num_epochs}: with several processes use -1 (repeat) "
                                      "and end the run with steps")
     if c.compilation_cache_dir:  # a rerun of the same program loads its executables instead of compiling
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))

@@ -1,0 +1,89 @@
+"""The config's vocabulary: which keys are the model's, which name files, which take a fixed set of values
+or a bounded range, and the one error type a config problem raises. base.yml holds each key's default
+and meaning; this module holds what base.yml cannot say."""
+
+from __future__ import annotations
+
+import re
+
+from maxtrain.models import quantization
+from maxtrain.runtime.errors import UserError
+
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+DTYPES = ("float32", "bfloat16")
+MODEL_KEYS = (
+    "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
+    "base_mlp_dim", "base_num_decoder_layers", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+    "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
+    "logits_via_embedding", "qkv_bias", "use_qk_norm", "num_experts", "num_experts_per_tok", "base_moe_mlp_dim",
+    "shared_experts", "first_num_dense_layers", "routed_score_func", "norm_topk_prob", "routed_scaling_factor",
+    "routed_bias",
+)
+# Keys that name files or directories: each may be a local path or a URL (maxtrain.runtime.storage).
+PATH_KEYS = ("base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
+             "load_parameters_path")
+# Training settings a model carries with it (a preset, an HF config.json, a checkpoint's description: HF's
+# router_aux_loss_coef), which a fine-tune may change: never part of the model's shape.
+MODEL_TRAINING_KEYS = ("load_balance_loss_weight",)
+PRESET_KEYS = (*MODEL_KEYS, *MODEL_TRAINING_KEYS)
+# Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.models.remat.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES,
+    "weight_dtype": DTYPES,
+    "mu_dtype": DTYPES,
+    "learning_rate_schedule": ("cosine", "linear", "constant"),
+    "dataset_type": ("synthetic", "text", "parquet", "array_record"),
+    "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
+    "attention": ("auto", "dot_product", "blockwise", "jax_nn", "splash"),
+    "distributed_init": ("auto", "true", "false"),
+    "nan_policy": ("skip", "stop", "rollback"),
+    "profiler": ("", "xplane"),
+    "routed_score_func": ("softmax", "sigmoid"),
+    "moe_grouped_matmul": ("auto", "megablox", "ragged_dot", "blocked"),
+    "quantization": ("", *quantization.MODES),
+}
+POSITIVE_INTS = (
+    "steps", "log_period", "vocab_size", "base_emb_dim", "base_num_query_heads",
+    "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_num_decoder_layers",
+    "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
+    "distributed_heartbeat_timeout_seconds", "max_new_tokens", "profiler_start_step", "profiler_steps",
+    "num_experts", "num_experts_per_tok",
+)
+INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
+METRICS_BACKENDS = ("tensorboard", "jsonl", "wandb")
+# Keys that were replaced: what to write instead.
+RENAMED = {"enable_tensorboard": "replaced by metrics_backends (default tensorboard,jsonl; metrics_backends=jsonl "
+                                 "writes no tensorboard events)"}
+
+# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
+# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
+# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
+# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+FLOAT32_MAX = 3.4028234663852886e38  # float keys reach jax as float32: larger is inf there
+# Upper bounds (inclusive) of keys whose products reach jax as int32 or that unroll Python loops when
+# traced, far above any real model's values (the presets' largest: 256 experts); beside each, what the
+# allowed range means.
+UPPER_BOUNDS: dict[str, tuple[int, str]] = {
+    "per_device_batch_size": (INT_MAX, "sequences; the global batch reaches jax as int32"),
+    # blockwise attention unrolls a block per 256 positions when traced
+    "max_target_length": (2**21, "positions"),
+    # the blocked grouped matmul pads each expert's rows to blocks of up to 512: rows reach jax as int32
+    "num_experts": (2**16, "experts"),
+    # capacity = factor x length x top-k / experts: below 2**31 with the length's bound
+    "capacity_factor": (1000, "<= 0 is dropless; above num_experts / num_experts_per_tok nothing is dropped"),
+}
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class ConfigError(UserError, ValueError):
+    """A user-fixable config problem; `str()` is the one line the CLI prints."""
+    kind = "config"
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
