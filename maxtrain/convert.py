@@ -215,7 +215,7 @@ class CheckpointParams:
             raise ckpt_loading.restore_failed("--checkpoint", self.step_dir, e) from None
         # A training run's step has a digest (parameters written by hf_to_maxtrain have none): each
         # parameter is checked against it as it is read, as a restore would check the whole state.
-        self.record = ckpt_lib._read_digest(self.step_dir, "--checkpoint")
+        self.record = ckpt_loading.read_digest(self.step_dir, "--checkpoint")
         cpu = jax.local_devices(backend="cpu")[:1]
         self._on_cpu = NamedSharding(Mesh(np.array(cpu), ("host",)), PartitionSpec())
 

@@ -56,7 +56,7 @@ def read_model(p: Path, key: str) -> dict:
     return saved
 
 
-def _read_digest(p: Path, key: str) -> dict | None:
+def read_digest(p: Path, key: str) -> dict | None:
     """The step's digest record, or None where it has none (converted parameters)."""
     if not (p / "digest").is_dir():
         return None
@@ -79,7 +79,7 @@ def load_full_state(c: Config, abstract_state):
     """State (params, optimizer, step) from another run's checkpoint step directory."""
     p = step_directory(c.load_full_state_path, "load_full_state_path")
     check_model(read_model(p, "load_full_state_path"), c, str(p))
-    record = _read_digest(p, "load_full_state_path")
+    record = read_digest(p, "load_full_state_path")
     if record is not None:
         check_layout(record["leaves"], abstract_state, f"load_full_state_path: {p}",
                      "load only the parameters (load_parameters_path) to change the optimizer state")
@@ -104,7 +104,7 @@ def load_parameters(c: Config, abstract_params):
                                                      partial_restore=True))
     except Exception as e:
         raise restore_failed("load_parameters_path", p, e) from None
-    _verify_loaded(restored["params"], _read_digest(p, "load_parameters_path"), p, "load_parameters_path",
+    _verify_loaded(restored["params"], read_digest(p, "load_parameters_path"), p, "load_parameters_path",
                    prefix=".params")
     return restored["params"]
 
