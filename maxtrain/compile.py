@@ -60,8 +60,8 @@ def slice_shape(spec: str) -> dict:
     """How the chips of a slice are wired, as on a real slice (and as MaxText describes them): up to
     2x2 chips a host; v4/v5p chips as megacores, whose slices of 4x4x4 and up close every dimension into
     a ring (wraparound links); v5e/v6e only as a full 16x16 pod. Described as an open mesh instead, the
-    compiler plans other collectives: Mixtral 8x7B on v5p-128 took 0.5 GiB more per chip, and libtpu
-    0.0.42 built its weights' all-gathers as all-reduces of zero-padded buffers."""
+    compiler plans other collectives (more memory per chip, and all-gathers built as all-reduces of
+    zero-padded buffers)."""
     dims = [int(d) for d in spec.split(":")[1].split("x")]
     per_host = (min(dims[0], 2), min(dims[1], 2) if len(dims) > 1 else 1, 1)
     if len(dims) == 3:

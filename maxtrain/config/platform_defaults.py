@@ -34,9 +34,8 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
 def scan_unroll_for(platform: str, remat_policy: str, layers: int) -> int:
     """scan_unroll=-1. Under remat_policy=none the scanned loop writes every layer's activations into
     stacked [layers, ...] buffers, which XLA:CPU zero-fills and copies each step; unrolled, each layer's
-    stay in their own. Issue #26's tiny shape (4 layers, width 128): 0.058 s/step looped, 0.040 unrolled
-    (benchmarks/ab.py, paired); under full, minimal or save_dot_except_mlp remat unrolling was no faster (0.82x
-    to 1.15x, in the noise) and costs compile time, as it would for a deep model."""
+    stay in their own, which is faster for a shallow model; under remat unrolling was no faster, and it
+    costs compile time, as it would for a deep model (benchmarks/README.md has the figures)."""
     return layers if platform == "cpu" and remat_policy == "none" and layers <= 8 else 1
 
 
@@ -51,8 +50,7 @@ def attention_for(platform: str, length_per_device: int, quantized_projections: 
 MiB = 2**20
 AUTO_CHUNKS = {  # key: (chunk, bytes per device above which it is on)
     "loss_chunk_size": (512, 512 * MiB),   # the float32 logits [rows, length, vocab shard]
-    # one layer's [rows, length, mlp shard] in the compute dtype; llama3-8b at 131,072 tokens, context 16
-    # (224 MiB): 8.03 GiB per chip in chunks, 9.51 without
+    # one layer's [rows, length, mlp shard] in the compute dtype: long contexts (benchmarks/README.md)
     "mlp_chunk_size": (2048, 128 * MiB),
 }
 
@@ -93,9 +91,8 @@ def moe_chunk(c, rows, length, itemsize, shards) -> int:
     """An MoE layer's auto chunk. Under expert parallelism a device receives every peer's assignments to
     its experts, [rows x length x top-k on its experts x peers, expert width] per layer: chunks keep that
     under the MLP's limit. Without an expert axis, no chunks: the gathered weights of all experts and their
-    gradients dominate, and the chunk loop's gradient carry costs what the chunks save. Mixtral 8x7B on
-    v5p-128 (libtpu 0.0.52, dropless): expert 8 x fsdp 8 plans 18.60 GiB per chip with chunks of 128
-    (this rule's), 19.08 with 256, 33.73 without; fsdp 64 plans 23.44 without chunks, 23.56 with 256."""
+    gradients dominate, and the chunk loop's gradient carry costs what the chunks save (Mixtral 8x7B's
+    plans on v5p-128, with and without chunks: benchmarks/README.md)."""
     peers = shards("experts")
     if peers == 1:
         return 0

@@ -23,7 +23,7 @@ from maxtrain.config.keys import ConfigError
 from maxtrain.runtime.errors import UserError
 from maxtrain.data.tokenizer import Tokenizer, make_tokenizer
 
-if TYPE_CHECKING:  # grain, and the orbax it imports, load where file data needs them: 0.3 s off synthetic starts
+if TYPE_CHECKING:  # grain, and the orbax it imports, load only where file data needs them: faster synthetic starts
     import grain
 
 

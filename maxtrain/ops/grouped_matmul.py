@@ -42,7 +42,7 @@ MEGABLOX_INTERPRET = False  # tests run the TPU kernel in Pallas' interpreter on
 def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str):
     """`megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and tgmm for the weight gradient).
     `ragged_dot`: XLA's grouped matmul (GPU); XLA:TPU forms its weight gradient through a [groups, rows,
-    width] mask (7 GiB a layer for Mixtral 8x7B) and XLA:CPU expands it into a dense matmul per group
+    width] mask (gigabytes a layer at Mixtral's size) and XLA:CPU expands it into a dense matmul per group
     (G times the work), so on CPU `blocked` walks blocks of rows, one group each."""
     if method == "ragged_dot":
         return jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
@@ -61,7 +61,7 @@ def megablox_swiglu(xs_MxD, group_sizes_G, weights, body):
     gradient, and tgmm reads only rows inside groups; rows never mix between the matmuls. So selecting
     those rows away at the two ends of `body` keeps them out of every result and gradient (a select, not
     a product: whatever they hold never reaches a gradient). A select after each matmul kept a second
-    copy of each [rows, expert width] output alive at the step's peak (Mixtral 8x7B: 3 x 0.9 GiB)."""
+    copy of each [rows, expert width] output alive at the step's peak."""
     from jax.experimental.pallas.ops.tpu.megablox import ops  # TPU only (or interpreted)
 
     m = xs_MxD.shape[0]
@@ -110,8 +110,7 @@ def blocked_swiglu(xs_MxD, group_sizes_G, weights, body):
     m, d = xs_MxD.shape
     g = weights[0].shape[0]
     # Rows per block: about a group's average rows (up to 512), a power of two. Fewer, larger matmuls beat
-    # the padding they cost (a group wastes up to block - 1 rows): 0.29 s/step for mixtral-tiny at 8 x 256
-    # tokens against 0.37 with blocks of 128 and 0.51 with 64.
+    # the padding they cost (a group wastes up to block - 1 rows).
     block = max(64, min(512, 2 ** int(math.log2(max(m // g, 1)))))
     source_R, block_group_N, padded_M, in_group_M = _block_layout(group_sizes_G, m, block)
     padded_M = jnp.where(in_group_M, padded_M, source_R.shape[0])  # rows past the groups: none

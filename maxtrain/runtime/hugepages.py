@@ -1,7 +1,7 @@
-"""Transparent huge pages for XLA's host buffers on Linux, which makes CPU steps ~10% faster.
+"""Transparent huge pages for XLA's host buffers on Linux, which makes CPU steps faster.
 
 XLA:CPU takes a step's large temporaries from malloc, and glibc maps fresh memory for each of them
-every step: with 4 KiB pages, ~70,000 page faults per step of the small benchmark config. With the
+every step: with 4 KiB pages, tens of thousands of page faults per step. With the
 glibc tunable `glibc.malloc.hugetlb=1`, glibc asks for 2 MiB pages for such mappings (honoured when the
 kernel's transparent huge pages are in "madvise" mode, the usual default) and the faults all but
 vanish. glibc reads tunables only at process start, so the entry point re-executes itself once.

@@ -55,7 +55,7 @@ class TrainLoop:
         finished = False
         try:
             if self.c.enable_checkpointing:
-                # orbax takes ~0.4 s to import, so runs that neither save nor load do without it
+                # orbax is slow to import, so runs that neither save nor load do without it
                 from maxtrain.checkpoint import manager as ckpt_lib
                 self.checkpointer = ckpt_lib.Checkpointer(self.c)
             self.start_data = self.batches.get_state()  # where a rollback with no checkpoint restarts the data

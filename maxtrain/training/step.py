@@ -43,7 +43,7 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
 
     Sums, not means, so micro-batches add up to exactly the large-batch loss. The train step passes
     1 / (the whole batch's tokens) as `scale`, so its gradients come out as means: divided afterwards,
-    XLA wrote them out once more before the update (Mixtral 8x7B on v5p-128: 2.6 GiB per chip). The
+    XLA wrote them out once more before the update (gigabytes per chip at Mixtral's size). The
     metrics in aux stay sums, times the tokens for an MoE's statistics.
     """
     inputs = (batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
@@ -133,12 +133,10 @@ def build(c: Config, mesh) -> Trainer:
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
     batch_sharding = rules_lib.sharding_for(("batch", "length"), mesh, rules)
-    # On CPU most of the compile time goes to LLVM, and at level 1 it takes less of it: the small
-    # benchmark's step compiles in ~20% less CPU time and runs as fast (its matmuls are library
-    # calls), equal to the default's results up to float32 rounding. Init, which runs once, also
-    # takes the older loop emitters: less than half the compile time of its random-number code (1.3 s
-    # against 3.1 s), run about as fast, same bits. (Not for the step: there the loop emitters cost
-    # 17% of the medium row's step time.)
+    # On CPU most of the compile time goes to LLVM, and at level 1 it takes less of it; the step runs
+    # as fast (its matmuls are library calls), equal to the default's results up to float32 rounding.
+    # Init, which runs once, also takes the older loop emitters: they compile its random-number code
+    # faster and run it about as fast, same bits (not for the step, whose time they would cost).
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     cpu_compile = {"xla_backend_optimization_level": 1} if on_cpu else None
     init_compile = {**cpu_compile, "xla_cpu_use_fusion_emitters": False} if on_cpu else None
