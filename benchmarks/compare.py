@@ -121,14 +121,22 @@ MAXTEXT_AOT_EXTRA = {"mixtral-8x7b expert=8": ["allow_split_physical_axes=true"]
 AOT_COMMON = ["compile_topology=v5p-128", "per_device_batch_size=4"]
 
 WORKER = r"""
-import json, sys, time
-from maxtrain.runtime.hugepages import reexec_with_huge_pages
-reexec_with_huge_pages()  # what `python -m maxtrain.train` does first
+import json, os, sys, time
+import maxtrain
+# benchmarks/ab.py repo=PATH may name a checkout from before the package layout (flat modules): import
+# by what that checkout holds, never a mix (an editable install would fill in the missing modules)
+if os.path.isdir(os.path.join(os.path.dirname(maxtrain.__file__), "runtime")):
+    from maxtrain.runtime.hugepages import reexec_with_huge_pages
+    reexec_with_huge_pages()  # what `python -m maxtrain.train` does first
+    from maxtrain.data import pipeline as data
+    from maxtrain.parallel import mesh as mesh_lib
+    from maxtrain.observe import metrics
+    from maxtrain.training import step as step_lib
+else:
+    from maxtrain.hugepages import reexec_with_huge_pages
+    reexec_with_huge_pages()
+    from maxtrain import data, mesh as mesh_lib, metrics, step as step_lib
 import jax
-from maxtrain.data import pipeline as data
-from maxtrain.parallel import mesh as mesh_lib
-from maxtrain.observe import metrics
-from maxtrain.training import step as step_lib
 from maxtrain import train
 steps = int(sys.argv[1]); c = train.load_config(sys.argv[2:])
 peak = metrics.measure_cpu_peak_tflops(size=2048) / jax.local_device_count()
@@ -163,7 +171,7 @@ def cpu_env(devices, xla_flags="", **extra):
 
 def run_row(overrides, devices, batch, steps, extra, xla_flags="", repo=REPO):
     """One row's run in a subprocess; `repo`: the maxtrain checkout it imports (benchmarks/ab.py)."""
-    env = cpu_env(devices, xla_flags)
+    env = cpu_env(devices, xla_flags, PYTHONPATH=str(repo))  # that checkout's maxtrain, not the installed one
     args = [str(Path(repo) / "configs" / "base.yml"), *overrides, f"per_device_batch_size={batch / devices}",
             "ici_fsdp_parallelism=-1", *extra]
     proc = subprocess.run([sys.executable, "-c", WORKER, str(steps), *args], capture_output=True, text=True,
@@ -240,7 +248,7 @@ def startup_seconds(extra, cache_dir, xla_flags="", repo=REPO):
                "per_device_batch_size=4", "steps=1", "enable_checkpointing=false",
                "base_output_directory=/tmp/maxtrain_compare", "peak_tflops_per_device=1",
                f"compilation_cache_dir={cache_dir}", *extra]
-    return seconds_to_line(command, cpu_env(1, xla_flags), repo, "first step")
+    return seconds_to_line(command, cpu_env(1, xla_flags, PYTHONPATH=str(repo)), repo, "first step")
 
 
 def maxtext_startup_seconds(python, cache_dir):

@@ -22,15 +22,12 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-from maxtrain.config import help as cli_help, load as config_lib, platform_defaults, resolve  # noqa: E402
-
-
-from maxtrain.config import keys as config_keys
-from maxtrain.runtime import errors
-from maxtrain.parallel import mesh as mesh_lib
-from maxtrain.observe import metrics
-from maxtrain.observe import fit, progress, summary  # noqa: E402
-from maxtrain.training import step as step_lib
+from maxtrain.config import help as cli_help, keys as config_keys, load as config_lib  # noqa: E402
+from maxtrain.config import platform_defaults, resolve  # noqa: E402
+from maxtrain.observe import fit, metrics, progress, summary  # noqa: E402
+from maxtrain.parallel import mesh as mesh_lib  # noqa: E402
+from maxtrain.runtime import errors  # noqa: E402
+from maxtrain.training import step as step_lib  # noqa: E402
 
 # HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
 CHIPS = {"v4": (32.0, 2, 3), "v5p": (95.0, 2, 3), "v5e": (16.0, 1, 2), "v6e": (32.0, 1, 2)}

@@ -41,7 +41,8 @@ from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.config import help as cli_help, load as config_lib
 from maxtrain.config import keys as config_keys
 from maxtrain.runtime import errors, platform_env, storage
-from maxtrain.checkpoint.hf_format import (HF_SIDE_FILES, ConvertError, SafetensorsDir, Tensor, hf_names, read_json,
+from maxtrain.runtime.errors import ConvertError
+from maxtrain.checkpoint.hf_format import (HF_SIDE_FILES, SafetensorsDir, Tensor, hf_names, read_json,
                                 tokenizer_settings)
 from maxtrain.models import registry, stacks as stacks_lib
 from maxtrain.models.hf import (FUSED_EXPERTS_NAME, hf_config_for, hf_kind, model_keys_from_hf, tensor_table,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from maxtrain.checkpoint.hf_format import ConvertError
+from maxtrain.runtime.errors import ConvertError
 from maxtrain.models import hf as hf_format, registry
 from maxtrain.models.hf import model_keys_from_hf
 

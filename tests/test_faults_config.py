@@ -3,7 +3,7 @@ run, path-like names, and settings that cannot take effect. Each refusal is one 
 
 import pytest
 
-from maxtrain.config import load as config
+from maxtrain.config import load as config, validate
 from maxtrain.config.resolve import resolve
 from conftest import TINY, TESTS
 from test_faults import main_in_process, one_line, run_cli
@@ -130,7 +130,7 @@ def test_model_name_is_a_preset_name_not_a_path(name, capsys, tmp_path):
 
 def test_no_effect_warnings():
     def warnings(*overrides):
-        return config.no_effect_warnings(config.load([TINY, *overrides]))
+        return validate.no_effect_warnings(config.load([TINY, *overrides]))
     assert warnings() == []
     assert warnings("eval_interval=2") == [
         "eval_interval: 2 has no effect: dataset_type=synthetic has no eval data"]

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from maxtrain.config import load as config_lib
 from maxtrain import convert, generate
-from maxtrain.ops import loss as loss_lib
+from maxtrain.training import loss as loss_lib
 from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib, rules
 from maxtrain.models import args as args_lib, decoder as model_lib
 from maxtrain.config.resolve import resolve

@@ -11,7 +11,7 @@ from maxtrain.config import load as config_lib
 from maxtrain import convert, train
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
-from maxtrain.checkpoint.hf_format import ConvertError
+from maxtrain.runtime.errors import ConvertError
 from maxtrain.models import hf, registry
 
 from conftest import TESTS

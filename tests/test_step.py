@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from maxtrain.data import pipeline as data
-from maxtrain.ops import loss as loss_lib
+from maxtrain.training import loss as loss_lib
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain.models import registry

@@ -16,12 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from maxtrain.data import tokenizer as tokenizer_lib
-from maxtrain.runtime.errors import UserError
-
-
-class ConvertError(UserError, RuntimeError):
-    """Input that cannot be converted; the CLI prints it as one line and exits 2."""
-    kind = "convert"
+from maxtrain.runtime.errors import ConvertError
 
 
 @dataclass(frozen=True)

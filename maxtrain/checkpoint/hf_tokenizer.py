@@ -20,7 +20,7 @@ import yaml
 
 from maxtrain.config import load as config_lib
 from maxtrain.runtime import storage
-from maxtrain.checkpoint.hf_format import ConvertError
+from maxtrain.runtime.errors import ConvertError
 from maxtrain.data.tokenizer import ByteTokenizer
 
 _KEYS = ("dataset_type", "tokenizer_type", "tokenizer_path", "hf_bos_token", "hf_eos_token", "add_bos",

@@ -14,7 +14,7 @@ from pathlib import Path
 from maxtrain.runtime import storage
 from maxtrain.checkpoint.manager import os_error_text
 from maxtrain.runtime.errors import UserError
-from maxtrain.checkpoint.hf_format import ConvertError
+from maxtrain.runtime.errors import ConvertError
 
 
 def unwritable(out_path: Path, e: BaseException) -> ConvertError:

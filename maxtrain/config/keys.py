@@ -62,6 +62,16 @@ RENAMED = {"enable_tensorboard": "replaced by metrics_backends (default tensorbo
 VOCAB_MULTIPLE = 128
 
 
+def moe_width(m) -> int:
+    """Each expert's SwiGLU width: base_moe_mlp_dim, where -1 means base_mlp_dim."""
+    return m["base_mlp_dim"] if m["base_moe_mlp_dim"] == -1 else m["base_moe_mlp_dim"]
+
+
+# Values config.load derives from the keys alone and adds to the config (those that need the devices:
+# maxtrain.config.resolve.DERIVED).
+DERIVED_AT_LOAD = ("run_name_derived", "moe_mlp_dim", "num_params", "num_active_params")
+
+
 def padded_vocab(vocab: int) -> int:
     return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 FLOAT32_MAX = 3.4028234663852886e38  # float keys reach jax as float32: larger is inf there

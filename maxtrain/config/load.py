@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 
 from maxtrain.config import run_name as run_name_lib, yaml_file
-from maxtrain.config.keys import FLOAT32_MAX, INT_MAX, PRESET_KEYS, RENAMED, UPPER_BOUNDS, ConfigError
+from maxtrain.config.keys import (DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, PRESET_KEYS, RENAMED, UPPER_BOUNDS, ConfigError,
+                                  moe_width)
 from maxtrain.config.validate import validate
 from maxtrain.models import registry
 
@@ -229,8 +230,8 @@ def _read_preset(name: str) -> dict[str, Any]:
 def _derive_static(c: dict[str, Any]) -> dict[str, Any]:
     if c["learning_rate_schedule_steps"] == -1:
         c["learning_rate_schedule_steps"] = c["steps"]
-    c["moe_mlp_dim"] = c["base_mlp_dim"] if c["base_moe_mlp_dim"] == -1 else c["base_moe_mlp_dim"]
     spec = registry.spec_for(c)  # the model's family counts its parameters
-    c["num_params"] = spec.count_params(c, False)
-    c["num_active_params"] = spec.count_params(c, True)
-    return c
+    derived = {"moe_mlp_dim": moe_width(c), "num_params": spec.count_params(c, False),
+               "num_active_params": spec.count_params(c, True)}
+    assert {"run_name_derived", *derived} == set(DERIVED_AT_LOAD)
+    return {**c, **derived}

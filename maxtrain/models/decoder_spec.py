@@ -12,6 +12,7 @@ from typing import Any
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.decoder import Decoder
 from maxtrain.models import stacks as stacks_lib
+from maxtrain.config.keys import moe_width
 from maxtrain.models.registry import Keys
 
 # Norm scales, attention biases and the MoE balancing bias take no weight decay; the balancing bias is
@@ -26,11 +27,6 @@ def args(c) -> ModelArgs:
 
 def build(c) -> Decoder:
     return Decoder(ModelArgs.from_config(c))
-
-
-def moe_width(m: Keys) -> int:
-    """Each expert's SwiGLU width (base_moe_mlp_dim; -1 = base_mlp_dim)."""
-    return m["base_mlp_dim"] if m["base_moe_mlp_dim"] == -1 else m["base_moe_mlp_dim"]
 
 
 def _layer_counts(m: Keys) -> tuple[int, int]:

@@ -5,7 +5,7 @@ naming the first key that differs from what those two need."""
 
 from __future__ import annotations
 
-from maxtrain.checkpoint.hf_format import ConvertError
+from maxtrain.runtime.errors import ConvertError
 from maxtrain.models import decoder_spec
 from maxtrain.models.registry import Keys, ModelSpec, register
 

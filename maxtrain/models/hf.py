@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from maxtrain.config.keys import padded_vocab
-from maxtrain.checkpoint.hf_format import ConvertError, Tensor
+from maxtrain.checkpoint.hf_format import Tensor
+from maxtrain.runtime.errors import ConvertError
 from maxtrain.models import registry
-from maxtrain.models.decoder_spec import moe_width
+from maxtrain.config.keys import moe_width
 from maxtrain.models.registry import Keys
 
 # Families HF has and maxtrain does not: why not.

@@ -4,7 +4,8 @@ w2 [D, F] (down); its experts are intermediate_size wide."""
 
 from __future__ import annotations
 
-from maxtrain.checkpoint.hf_format import ConvertError
+from maxtrain.runtime.errors import ConvertError
+from maxtrain.config.keys import moe_width
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
@@ -24,7 +25,7 @@ def _keys(config: dict, kind: str) -> dict:
 def _config(m: Keys, kind: str, config: dict) -> dict:
     # its experts are intermediate_size wide (the model's base_mlp_dim, if another, shapes nothing)
     return {"num_local_experts": m["num_experts"], "num_experts_per_tok": m["num_experts_per_tok"],
-            "router_aux_loss_coef": m["load_balance_loss_weight"], "intermediate_size": decoder_spec.moe_width(m)}
+            "router_aux_loss_coef": m["load_balance_loss_weight"], "intermediate_size": moe_width(m)}
 
 
 HF = HFMapping(

@@ -5,7 +5,7 @@ narrows the dense family (llama.py): every dense config with q/k norms is Qwen3'
 
 from __future__ import annotations
 
-from maxtrain.checkpoint.hf_format import ConvertError
+from maxtrain.runtime.errors import ConvertError
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 

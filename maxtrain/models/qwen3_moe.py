@@ -4,7 +4,8 @@ down_proj."""
 
 from __future__ import annotations
 
-from maxtrain.checkpoint.hf_format import ConvertError
+from maxtrain.runtime.errors import ConvertError
+from maxtrain.config.keys import moe_width
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
@@ -35,7 +36,7 @@ def _config(m: Keys, kind: str, config: dict) -> dict:
     # transformers 5 reads either name (and writes the second); older ones the first
     names = [name for name in ("num_experts", "num_local_experts") if name == "num_experts" or name in config]
     return {name: m["num_experts"] for name in names} | {
-        "moe_intermediate_size": decoder_spec.moe_width(m), "norm_topk_prob": m["norm_topk_prob"],
+        "moe_intermediate_size": moe_width(m), "norm_topk_prob": m["norm_topk_prob"],
         "num_experts_per_tok": m["num_experts_per_tok"], "router_aux_loss_coef": m["load_balance_loss_weight"]}
 
 

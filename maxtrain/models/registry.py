@@ -101,10 +101,14 @@ def _load() -> None:
     global _loaded
     if _loaded:
         return
-    _loaded = True
+    _loaded = True  # first, so a family module that asks the registry while it loads does not recurse
     import maxtrain.models as package
-    for module in sorted(m.name for m in pkgutil.iter_modules(package.__path__)):
-        importlib.import_module(f"{package.__name__}.{module}")
+    try:
+        for module in sorted(m.name for m in pkgutil.iter_modules(package.__path__)):
+            importlib.import_module(f"{package.__name__}.{module}")
+    except BaseException:
+        _loaded = False  # a failed import leaves no half-filled registry behind: the next lookup tries again
+        raise
 
 
 def families() -> list[ModelSpec]:

@@ -1,4 +1,4 @@
-"""FLOPs accounting, MFU against a peak that cannot be exceeded, and the stdout line (metric_writers.py
+"""FLOPs accounting, MFU against a peak that cannot be exceeded, and the stdout line (writers.py
 writes the files)."""
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ class NonFiniteState(RunError):
     """A state that a save refuses: an update overflowed it (the loop applies nan_policy)."""
 
 
+class ConvertError(UserError, RuntimeError):
+    """Input that cannot be converted (HF checkpoints, exports); the CLI prints it as one line and exits 2."""
+    kind = "convert"
+
+
 INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command Ctrl-C ended
 
 

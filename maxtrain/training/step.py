@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain.ops import attention, loss
+from maxtrain.ops import attention
+from maxtrain.training import loss
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.models import moe, quantization
 from maxtrain.config.load import Config
