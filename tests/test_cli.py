@@ -310,9 +310,12 @@ def test_ctrl_c_in_a_terminal_stops_every_process_at_one_saved_step(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_in_the_other_entry_points_is_one_line(tmp_path):
     """compile (and generate, convert) end on Ctrl-C with one line and exit 130, not a KeyboardInterrupt trace."""
+    # Ctrl-C as from a terminal: a test run started in the background inherits SIGINT ignored, which
+    # Python keeps (and so would a user's `nohup ... &`)
     proc = subprocess.Popen([sys.executable, "-m", "maxtrain.compile", str(BASE), "model_name=llama3-8b",
                              "compile_topology=v5p-128", "per_device_batch_size=4", "max_target_length=8192"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     output = Output(proc)
     output.wait_for(r"^lowering the train step", timeout=240)  # tracing: Python runs, so Ctrl-C lands at once
     proc.send_signal(signal.SIGINT)
