@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from maxtrain.config import run_name as run_name_lib, yaml_file
-from maxtrain.config.keys import (DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, PRESET_KEYS, RENAMED, UPPER_BOUNDS, ConfigError,
-                                  moe_width)
+from maxtrain.config.keys import (DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, PRESET_KEYS, RENAMED, UPPER_BOUNDS,
+                                  ConfigError, moe_width)
 from maxtrain.config.validate import validate
 from maxtrain.models import registry
 

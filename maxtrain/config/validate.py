@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from maxtrain.config.keys import (CHOICES, MESH_AXES, METRICS_BACKENDS, PATH_KEYS, POSITIVE_INTS, RUN_NAME, UPPER_BOUNDS,
-                                  ConfigError)
+from maxtrain.config.keys import (CHOICES, MESH_AXES, METRICS_BACKENDS, PATH_KEYS, POSITIVE_INTS, RUN_NAME,
+                                  UPPER_BOUNDS, ConfigError)
 from maxtrain.models import quantization
 from maxtrain.runtime import storage
 

@@ -4,8 +4,8 @@ scanned layers.
 The model says nothing about devices: parameters and activations carry logical axis names
 (batch, length, embed, heads, kv_heads, head_dim, mlp, vocab, layers, norm) and the mesh rules in the
 config decide where each lives; how a layer runs (kernels, chunks, remat, the scan's unroll) is the
-execution plan's (maxtrain.parallel.plan). Shape suffixes: B batch, L length, D embed, H query heads, N kv heads, G query heads per kv head,
-K head dim, F mlp, V vocab.
+execution plan's (maxtrain.parallel.plan). Shape suffixes: B batch, L length, D embed, H query heads,
+N kv heads, G query heads per kv head, K head dim, F mlp, V vocab.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   unroll, and the mesh-dependent ways to run a layer (context.py, experts.py, embedding.py, chunks.py),
   the only modules that call shard_map and collectives.
 
-A new parallelism axis: its mesh axis in config/keys.py MESH_AXES and the rules in base.yml, its collectives here, and its
-choice in plan.py. A new kernel: a mesh-free function in maxtrain/ops/ and one line in the plan
-(Plan.attend for attention).
+A new parallelism axis: its mesh axis in config/keys.py MESH_AXES and the rules in base.yml, its
+collectives here, and its choice in plan.py. A new kernel: a mesh-free function in maxtrain/ops/ and one
+line in the plan (Plan.attend for attention).
 """

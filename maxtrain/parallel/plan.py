@@ -3,10 +3,10 @@ devices and the mesh). The model says what to compute with logical axis names; i
 attention, the embedding lookup, the experts' work, chunks of positions, remat and the scan's unroll,
 and never sees the mesh or shard_map.
 
-A plan is frozen and hashable (a field of maxtrain.models.args.ModelArgs). `Plan.from_resolved` takes a config resolved
-for the devices (maxtrain.config.resolve); `Plan.single_device` takes a config as loaded, its auto values as the
-reference choices (dot_product attention, no chunks, the scan's loop, the blocked grouped matmul), which
-is all a unit test on one device needs.
+A plan is frozen and hashable (a field of maxtrain.models.args.ModelArgs). `Plan.from_resolved` takes a
+config resolved for the devices (maxtrain.config.resolve); `Plan.single_device` takes a config as loaded,
+its auto values as the reference choices (dot_product attention, no chunks, the scan's loop, the blocked
+grouped matmul), which is all a unit test on one device needs.
 """
 
 from __future__ import annotations
