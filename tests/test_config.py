@@ -23,7 +23,7 @@ def error_of(argv, devices=8, slices=1):
 def test_defaults_load_and_are_frozen():
     c = resolve(config.load([BASE]), 1)
     assert c.steps == 200 and c.remat_policy == "full"
-    assert c.mesh_shape == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    assert c.mesh_shape == {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     assert c.global_batch_size == 4
     with pytest.raises(AttributeError):
         c.steps = 3
@@ -121,7 +121,7 @@ def test_only_one_fill_axis_per_group():
 
 def test_fill_resolves_mesh():
     c = resolve(config.load([BASE, "ici_tensor_parallelism=2"]), 8)
-    assert c.mesh_shape == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
+    assert c.mesh_shape == {"stage": 1, "data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
 
 
 def test_dcn_product_must_match_slices():

@@ -9,7 +9,13 @@ import re
 from maxtrain.models import quantization
 from maxtrain.runtime.errors import UserError
 
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")  # stage (the pipeline) outermost
+
+
+def parallelism_key(group: str, axis: str) -> str:
+    """The key that sizes mesh `axis` in `group` (ici or dcn): MaxText's names, `pipeline` for stage."""
+    return f"{group}_{'pipeline' if axis == 'stage' else axis}_parallelism"
+
 DTYPES = ("float32", "bfloat16")
 MODEL_KEYS = (
     "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
@@ -47,7 +53,7 @@ POSITIVE_INTS = (
     "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_num_decoder_layers",
     "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
     "distributed_heartbeat_timeout_seconds", "max_new_tokens", "profiler_start_step", "profiler_steps",
-    "num_experts", "num_experts_per_tok",
+    "num_experts", "num_experts_per_tok", "ici_pipeline_parallelism", "dcn_pipeline_parallelism",
 )
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
 METRICS_BACKENDS = ("tensorboard", "jsonl", "wandb")

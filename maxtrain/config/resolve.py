@@ -15,7 +15,7 @@ import jax
 
 from maxtrain.config import platform_defaults
 from maxtrain.config.load import Config
-from maxtrain.config.keys import INT_MAX, MESH_AXES, ConfigError
+from maxtrain.config.keys import INT_MAX, MESH_AXES, ConfigError, parallelism_key
 from maxtrain.parallel import rules as rules_lib
 from maxtrain.parallel.plan import Plan
 
@@ -79,8 +79,8 @@ def resolve(config: Config, devices=None, slices: int | None = None, platform: s
 def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str) -> Resolved:
     if num_devices % num_slices:
         raise ConfigError("dcn_*_parallelism", f"{num_devices} devices do not split into {num_slices} slices")
-    ici = _fill("ici", {a: c[f"ici_{a}_parallelism"] for a in MESH_AXES}, num_devices // num_slices)
-    dcn = _fill("dcn", {a: c[f"dcn_{a}_parallelism"] for a in MESH_AXES}, num_slices)
+    ici = _fill("ici", {a: c[parallelism_key("ici", a)] for a in MESH_AXES}, num_devices // num_slices)
+    dcn = _fill("dcn", {a: c[parallelism_key("dcn", a)] for a in MESH_AXES}, num_slices)
     shape = {a: ici[a] * dcn[a] for a in MESH_AXES}
 
     tensor = shape["tensor"]
@@ -136,7 +136,7 @@ def _fill(group: str, sizes: dict[str, int], total: int) -> dict[str, int]:
     given = " x ".join(f"{a}={s}" for a, s in sizes.items())
     if fill:
         if total % known:
-            raise ConfigError(f"{group}_{fill[0]}_parallelism",
+            raise ConfigError(parallelism_key(group, fill[0]),
                               f"cannot fill: {given} does not divide {total} {group} devices")
         sizes = {**sizes, fill[0]: total // known}
     elif known != total:
@@ -148,7 +148,7 @@ def _fill(group: str, sizes: dict[str, int], total: int) -> dict[str, int]:
 
 def _axis_keys(axes, ici: dict[str, int], dcn: dict[str, int]) -> str:
     """The parallelism keys that size mesh `axes` (those above 1), as a user sets them."""
-    keys = [f"{group}_{a}_parallelism={sizes[a]}" for a in axes for group, sizes in (("ici", ici), ("dcn", dcn))
+    keys = [f"{parallelism_key(group, a)}={sizes[a]}" for a in axes for group, sizes in (("ici", ici), ("dcn", dcn))
             if sizes[a] > 1]
     return " x ".join(keys) or "1 device"
 

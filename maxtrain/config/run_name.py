@@ -31,7 +31,8 @@ NOT_DEFINING = frozenset({
     "logical_axis_rules", "context_parallel_load_balance", "scan_unroll", "remat_policy", "mlp_chunk_size",
     "loss_chunk_size", "attention", "moe_grouped_matmul",
     *(f"{group}_{axis}_parallelism" for group in ("ici", "dcn")
-      for axis in ("data", "fsdp", "expert", "context", "tensor")),
+      for axis in ("pipeline", "data", "fsdp", "expert", "context", "tensor")),
+    "num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_pipeline_repeats",
 })
 HASH_CHARS = 8
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from maxtrain.config.keys import (CHOICES, MESH_AXES, METRICS_BACKENDS, PATH_KEYS, POSITIVE_INTS, RUN_NAME,
+from maxtrain.config.keys import (CHOICES, MESH_AXES, parallelism_key, METRICS_BACKENDS, PATH_KEYS, POSITIVE_INTS, RUN_NAME,
                                   UPPER_BOUNDS, ConfigError)
-from maxtrain.models import quantization
+from maxtrain.models import quantization, stacks as stacks_lib
 from maxtrain.runtime import storage
 
 
@@ -98,13 +98,14 @@ def validate(c: dict[str, Any]) -> None:
         raise ConfigError("run_name", f"{c['run_name']!r} is not a plain name (letters, digits, '.', '_', '-'; "
                           "not starting with '.')")
     for group in ("ici", "dcn"):
-        sizes = {a: c[f"{group}_{a}_parallelism"] for a in MESH_AXES}
+        sizes = {a: c[parallelism_key(group, a)] for a in MESH_AXES}
         for axis, size in sizes.items():
             if size == 0 or size < -1:
-                raise ConfigError(f"{group}_{axis}_parallelism", "must be positive or -1 (fill)")
+                raise ConfigError(parallelism_key(group, axis), "must be positive or -1 (fill)")
         if list(sizes.values()).count(-1) > 1:
             raise ConfigError(f"{group}_*_parallelism", "at most one axis per group may be -1")
     _validate_moe(c)
+    pipeline_settings(c)
     quantization.validate(c, ConfigError)
     _validate_rules(c["logical_axis_rules"])
     _validate_prompt_ids(c["prompt_ids"], c["vocab_size"])
@@ -126,6 +127,49 @@ def _validate_moe(c: dict[str, Any]) -> None:
     elif c["first_num_dense_layers"] >= c["base_num_decoder_layers"]:
         raise ConfigError("first_num_dense_layers", f"{c['first_num_dense_layers']} leaves no MoE layer of "
                           f"base_num_decoder_layers={c['base_num_decoder_layers']}")
+
+
+def pipeline_settings(c: Mapping[str, Any]) -> dict[str, int]:
+    """The pipeline keys with their -1s filled (the stages are known at load: no pipeline axis fills),
+    after the checks of README "Pipeline parallelism". The pipeline runs the model's last stack (a
+    dense model's layers; an MoE model's MoE layers: its leading dense layers run before it, on every
+    device, as the embedding does)."""
+    stages = c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"]
+    keys = ("num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_pipeline_repeats")
+    for key in keys:
+        if c[key] == 0 or c[key] < -1:
+            raise ConfigError(key, "must be positive or -1 (auto)")
+    last = stacks_lib.for_keys(c)[-1]
+    if stages == 1:
+        for key in keys:
+            if c[key] not in (-1, 1) or (key == "num_layers_per_pipeline_stage" and c[key] != -1):
+                raise ConfigError(key, f"{c[key]} needs a pipeline: ici_pipeline_parallelism or "
+                                  "dcn_pipeline_parallelism > 1")
+        return {"num_pipeline_microbatches": 1, "num_layers_per_pipeline_stage": last.count, "num_pipeline_repeats": 1}
+    if not c["scan_layers"]:
+        raise ConfigError("scan_layers", "false cannot run a pipeline: its stages run a scanned stack's layers")
+    what = f"the pipeline's {last.count} layers ({last.name})"
+    if last.count % stages:
+        raise ConfigError("ici_pipeline_parallelism", f"{what} do not split into {stages} stages (ici x dcn)")
+    share = last.count // stages
+    per, repeats = c["num_layers_per_pipeline_stage"], c["num_pipeline_repeats"]
+    if per != -1 and share % per:
+        raise ConfigError("num_layers_per_pipeline_stage", f"{per} does not divide each stage's {share} layers "
+                          f"({what} over {stages} stages)")
+    if repeats != -1 and share % repeats:
+        raise ConfigError("num_pipeline_repeats", f"{repeats} does not divide each stage's {share} layers "
+                          f"({what} over {stages} stages)")
+    if per != -1 and repeats != -1 and per * repeats != share:
+        raise ConfigError("num_pipeline_repeats", f"{repeats} x num_layers_per_pipeline_stage {per} != each "
+                          f"stage's {share} layers ({what} over {stages} stages)")
+    if per == -1:
+        per = share // (1 if repeats == -1 else repeats)
+    micro = stages if c["num_pipeline_microbatches"] == -1 else c["num_pipeline_microbatches"]
+    if micro % stages:
+        raise ConfigError("num_pipeline_microbatches", f"{micro} is not a multiple of the {stages} stages: each "
+                          "stage needs a micro-batch at every step of the schedule")
+    return {"num_pipeline_microbatches": micro, "num_layers_per_pipeline_stage": per,
+            "num_pipeline_repeats": share // per}
 
 
 def prompt_token_ids(text: str) -> list[int]:

@@ -10,6 +10,8 @@ N kv heads, G query heads per kv head, K head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -55,13 +57,21 @@ class Decoder(nn.Module):
         x_BxLxD = a.plan.embed(embedding_VxD, tokens_BxL, a.dtype)
 
         layer = a.plan.remat(DecoderLayer, a.scan_layers)
-        first = 0
-        for name, count, is_moe in a.stacks():
+        first, stacks = 0, a.stacks()
+        for index, (name, count, is_moe) in enumerate(stacks):
+            pipelined = a.plan.pipelines(index, len(stacks))
             if a.scan_layers:  # intermediates: MoE layers record their load and auxiliary losses
                 stack = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-                                in_axes=(nn.broadcast, nn.broadcast), length=count,
-                                unroll=a.plan.unroll(count), metadata_params={nn.PARTITION_NAME: "layers"})
-                x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL)
+                                in_axes=(nn.broadcast, nn.broadcast), length=count, unroll=a.plan.unroll(count),
+                                metadata_params={nn.PARTITION_NAME: a.plan.layers_axis(pipelined)})
+                if pipelined and not self.is_initializing():  # the same parameters, run stage by stage
+                    x_BxLxD, records = a.plan.pipeline(functools.partial(apply_layer, a, is_moe),
+                                                       self.variables["params"][name], x_BxLxD, positions_BxL,
+                                                       segment_ids_BxL)
+                    if records and self.is_mutable_collection("intermediates"):
+                        self.put_variable("intermediates", name, records)
+                else:
+                    x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL)
             else:
                 for i in range(first, first + count):
                     x_BxLxD, _ = layer(a, is_moe, name=stacks_lib.unrolled(i))(x_BxLxD, positions_BxL, segment_ids_BxL)
@@ -76,6 +86,13 @@ class Decoder(nn.Module):
             return x_BxLxD, out_DxV
         logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32)[..., :a.vocab]
         return constrain(logits_BxLxV, ("batch", "length", "vocab"))
+
+
+def apply_layer(args: ModelArgs, is_moe: bool, params, x_BxLxD, positions_BxL, segment_ids_BxL):
+    """One layer as a function of its parameters: (output, what it records), for the pipeline."""
+    (x_BxLxD, _), recorded = DecoderLayer(args, is_moe).apply({"params": params}, x_BxLxD, positions_BxL,
+                                                              segment_ids_BxL, mutable=["intermediates"])
+    return x_BxLxD, recorded.get("intermediates", {})
 
 
 def output_logits(x_BxLxD, out_DxV, dot_in_fp32: bool):

@@ -19,7 +19,7 @@ import jax
 
 from maxtrain.ops import attention
 from maxtrain.models import remat
-from maxtrain.parallel import chunks, context, embedding, experts
+from maxtrain.parallel import chunks, context, embedding, experts, pipeline
 from maxtrain.parallel.rules import length_shards
 
 
@@ -32,13 +32,16 @@ class Plan:
     remat_policy: str = "none"  # a name in remat.POLICIES
     scan_unroll: int = 1  # layers per iteration of the scanned loop
     context_load_balance: bool = False  # under context parallelism the batch is in attention.zigzag_order
+    schedule: pipeline.Schedule = pipeline.Schedule()  # the pipeline over stages (none: 1 stage)
 
     @classmethod
     def from_resolved(cls, c) -> "Plan":
         """The plan of a config resolved for the devices: every value already chosen."""
         return cls(attention=c.attention, mlp_chunk=c.mlp_chunk_size, moe_chunk=c.moe_chunk_size,
                    moe_grouped_matmul=c.moe_grouped_matmul, remat_policy=c.remat_policy, scan_unroll=c.scan_unroll,
-                   context_load_balance=c.context_parallel_load_balance)
+                   context_load_balance=c.context_parallel_load_balance,
+                   schedule=pipeline.Schedule(c.mesh_shape["stage"], c.num_pipeline_repeats,
+                                              c.num_pipeline_microbatches))
 
     @classmethod
     def single_device(cls, c) -> "Plan":
@@ -90,6 +93,20 @@ class Plan:
         context parallelism), or None where the batch is in sequence order."""
         shards = length_shards()
         return attention.zigzag_order(length, shards) if self.context_load_balance and shards > 1 else None
+
+    def pipelines(self, stack: int, stacks: int) -> bool:
+        """Whether stack number `stack` of `stacks` runs through the pipeline: the last one does."""
+        return self.schedule.active and stack == stacks - 1
+
+    def layers_axis(self, pipelined: bool) -> str:
+        """The logical name of a scanned stack's layers dimension."""
+        return pipeline.LAYERS_AXIS if pipelined else "layers"
+
+    def pipeline(self, layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL):
+        """The stack `params` (leaves [layers, ...], pipeline.storage_order) run by `layer_fn(layer params,
+        x, positions, segment ids) -> (x, records)` over the stages: (x, each layer's records)."""
+        policy = None if self.remat_policy == "none" else remat.POLICIES[self.remat_policy]
+        return pipeline.run(layer_fn, params, x_BxLxD, positions_BxL, segment_ids_BxL, self.schedule, policy)
 
     def remat(self, layer: type[nn.Module], scanned: bool):
         """The layer class rematerialized under the policy (unchanged under none)."""

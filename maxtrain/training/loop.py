@@ -186,7 +186,7 @@ class TrainLoop:
         try:
             with progress.heartbeat(f"saving checkpoint {step_done}"):
                 # the data state is gathered only here
-                self.checkpointer.save(step_done, self.state, self.batches.get_state())
+                self.checkpointer.save(step_done, self.trainer.to_saved(self.state), self.batches.get_state())
         except errors.NonFiniteState as e:
             say(f"{e}: not saved")
             return self.guard.on_bad_step(step_done, self.last_trusted())
@@ -212,6 +212,7 @@ class TrainLoop:
         with progress.heartbeat(f"restoring the newest checkpoint for the rollback from step {bad_step}"):
             restored = self.checkpointer.restore(self.trainer.abstract_state, self.batches) \
                 if self.checkpointer is not None else None
+        restored = restored if restored is None else self.trainer.to_run(restored)
         if restored is None:
             self.batches.set_state(self.start_data)
             restored = initial_state(self.c, self.trainer, None, self.batches)

@@ -17,16 +17,16 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
             state = checkpointer.restore(trainer.abstract_state, batches)
         if state is not None:
             say(f"resumed from {checkpointer.directory}/{int(state.step)}")
-            return state
+            return trainer.to_run(state)
     if c.load_full_state_path:
         from maxtrain.checkpoint import loading as ckpt_loading  # orbax loads only where needed: see TrainLoop.run
         say(f"loading full state from {c.load_full_state_path}")
-        return ckpt_loading.load_full_state(c, trainer.abstract_state)
+        return trainer.to_run(ckpt_loading.load_full_state(c, trainer.abstract_state))
     init = trainer.init.lower(jax.random.key(c.init_weights_seed)).compile()
     fit.check_compiled(init, trainer.mesh, "initializing the state")  # its temporaries can exceed the state's size
     state = init(jax.random.key(c.init_weights_seed))
     if c.load_parameters_path:
         from maxtrain.checkpoint import loading as ckpt_loading
         say(f"loading parameters from {c.load_parameters_path}")
-        state = state.replace(params=ckpt_loading.load_parameters(c, trainer.abstract_state.params))
+        state = state.replace(params=trainer.to_run(ckpt_loading.load_parameters(c, trainer.abstract_state.params)))
     return state

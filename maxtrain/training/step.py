@@ -27,7 +27,7 @@ from maxtrain.data.pipeline import BATCH_DTYPES
 from maxtrain.models.decoder import Decoder
 from maxtrain.models import registry
 from maxtrain.training.optimizer import learning_rate_schedule, make_optimizer
-from maxtrain.parallel import rules as rules_lib
+from maxtrain.parallel import pipeline, rules as rules_lib
 
 
 @flax.struct.dataclass
@@ -93,6 +93,10 @@ class Trainer:
     abstract_state: TrainState
     global_batch_shape: tuple[int, int]
     notes: list[str] = dataclasses.field(default_factory=list)  # dimensions left unsharded on an axis, for the log
+    # A state (or params) between the run's layer order and the model's, which checkpoints hold: the
+    # circular pipeline keeps each stage's layers together (pipeline.storage_order); else the identity.
+    to_saved: Callable[[Any], Any] = lambda tree: tree
+    to_run: Callable[[Any], Any] = lambda tree: tree
 
     def abstract_batch(self) -> dict:
         """Shapes, dtypes and shardings of one global batch, for lowering without data."""
@@ -115,8 +119,10 @@ def build(c: Config, mesh) -> Trainer:
     rules = rules_lib.axis_rules(c)
     dummy_tokens = jnp.zeros((1, c.max_target_length), jnp.int32)
 
+    to_run_order, to_model_order = _layer_orders(c, model)
+
     def init_state(rng) -> TrainState:
-        params = nn.meta.unbox(model.init(rng, dummy_tokens)["params"])
+        params = to_run_order(nn.meta.unbox(model.init(rng, dummy_tokens)["params"]))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     rng = jax.random.key(c.init_weights_seed)
@@ -154,8 +160,32 @@ def build(c: Config, mesh) -> Trainer:
                         compiler_options=cpu_compile)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_shardings)
-    return Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
-                   train_step, eval_step, abstract, (c.global_batch_size, c.max_target_length), notes)
+    trainer = Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
+                      train_step, eval_step, abstract, (c.global_batch_size, c.max_target_length), notes)
+    if to_run_order is not _same:
+        def convert(fn, donate):
+            def on(tree):  # a state or its params: jitted with their shardings, once per save or restore
+                shardings = state_shardings if isinstance(tree, TrainState) else param_shardings
+                return jax.jit(fn, in_shardings=(shardings,), out_shardings=shardings,
+                               donate_argnums=(0,) if donate else ())(tree)
+            return on
+        trainer.to_saved, trainer.to_run = convert(to_model_order, False), convert(to_run_order, True)
+    return trainer
+
+
+def _same(tree):
+    return tree
+
+
+def _layer_orders(c: Config, model) -> tuple[Callable, Callable]:
+    """(model order -> the run's, the run's -> model order) for params or a state: the circular
+    pipeline's storage order of its stack, else the identity both ways."""
+    schedule = model.args.plan.schedule
+    if schedule.repeats == 1:
+        return _same, _same
+    name, count, _ = model.args.stacks()[-1]
+    return (functools.partial(pipeline.to_storage_order, names={name}, layers=count, schedule=schedule),
+            functools.partial(pipeline.to_model_order, names={name}, layers=count, schedule=schedule))
 
 
 def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):

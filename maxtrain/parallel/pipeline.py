@@ -1,0 +1,181 @@
+"""Pipeline parallelism over the `stage` mesh axis: GPipe (repeats 1) and the circular schedule.
+
+A pipelined stack's layers are split over the stages: stage s holds `repeats` chunks of
+`layers_per_stage` layers, chunk r being the model's layers (r x stages + s) x layers_per_stage onwards,
+so a micro-batch goes round the stages `repeats` times (GPipe: once, each stage holding a contiguous
+range). The batch is cut into micro-batches (row i into micro-batch i % M, so every device keeps a
+slice of each); at iteration t, stage s runs micro-batch (t - s) mod M at repeat (t - s) // M, and
+every stage's output moves to the next stage (one collective permute of activations over `stage`).
+Stage 0 reads its input from a stream of the M micro-batches, where the last stage's output comes back
+round. (stages - 1) of the repeats x M + stages - 1 iterations are idle for each stage: the bubble.
+
+All of it is SPMD: a scan over the iterations of a vmap over the stages, whose dimension is sharded
+over `stage` (`spmd_axis_name`): XLA keeps each stage's work on its devices and turns the shift into a
+collective permute. Inside a stage the other axes (data, fsdp, tensor, expert, context) work as
+without a pipeline: the rules in scope there are the run's rules without `stage`.
+
+Weights stay where they are: a pipelined stack's parameters have their layers dimension (logical
+`stage_layers`) sharded over `stage`, in the order `storage_order` gives (stage-major), so each
+stage's chunks are on its devices; checkpoints hold the model's own order (to_model_order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from maxtrain.parallel import rules as rules_lib
+
+STAGE = "stage"  # the mesh axis
+LAYERS_AXIS = "stage_layers"  # the logical name of a pipelined stack's layers dimension
+_WEIGHTS = "pipeline_weights"  # the chunk of weights an iteration selects: recomputed, never saved
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    stages: int = 1
+    repeats: int = 1
+    microbatches: int = 1
+
+    @property
+    def active(self) -> bool:
+        return self.stages > 1
+
+    @property
+    def iterations(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The share of each stage's iterations spent idle."""
+        return (self.stages - 1) / self.iterations
+
+    def describe(self) -> str:
+        kind = "GPipe" if self.repeats == 1 else f"circular x{self.repeats}"
+        return (f"pipeline {self.stages} stages ({kind}), {self.microbatches} micro-batches, "
+                f"bubble {self.bubble:.1%}")
+
+
+def storage_order(layers: int, stages: int, repeats: int) -> np.ndarray:
+    """order[i] = the model's layer held at place i of a pipelined stack: stage-major, so the contiguous
+    block of places a stage holds is its `repeats` chunks."""
+    per_chunk = layers // (stages * repeats)
+    i = np.arange(layers)
+    stage, repeat, j = i // (repeats * per_chunk), (i // per_chunk) % repeats, i % per_chunk
+    return repeat * stages * per_chunk + stage * per_chunk + j
+
+
+def _permute(tree, names: set[str], order: np.ndarray):
+    """Each leaf under a top-level key in `names` reordered along its first (layers) axis."""
+    if (order == np.arange(order.size)).all():
+        return tree
+
+    def visit(path, x):
+        keys = [getattr(p, "key", None) for p in path]
+        if names & set(k for k in keys if isinstance(k, str)) and x.ndim and x.shape[0] == order.size:
+            return jnp.take(x, order, axis=0)
+        return x
+    return jax.tree_util.tree_map_with_path(visit, tree)
+
+
+def to_storage_order(tree, names: set[str], layers: int, schedule: Schedule):
+    """Parameters (or anything shaped like them: optimizer moments) from the model's layer order to the
+    pipeline's."""
+    return _permute(tree, names, storage_order(layers, schedule.stages, schedule.repeats))
+
+
+def to_model_order(tree, names: set[str], layers: int, schedule: Schedule):
+    return _permute(tree, names, np.argsort(storage_order(layers, schedule.stages, schedule.repeats)))
+
+
+def _inner_rules() -> tuple:
+    """The rules in scope without the stage axis: inside a stage, the pipeline owns it."""
+    out = []
+    for name, target in nn.get_logical_axis_rules():
+        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
+        kept = [a for a in axes if a != STAGE]
+        out.append((name, tuple(kept) if len(kept) != 1 else kept[0]) if kept else (name, None))
+    return tuple(out)
+
+
+def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, schedule: Schedule,
+        remat_policy=None):
+    """The stack's output [B,L,D] and each layer's records (stacked [layers, ...] in storage order, the
+    mean over micro-batches), running `layer_fn(layer_params, x, positions, segment_ids) -> (x, records)`
+    over `params` (leaves [layers, ...] in storage order) as `schedule` says."""
+    S, R, M = schedule.stages, schedule.repeats, schedule.microbatches
+    layers = jax.tree.leaves(params)[0].shape[0]
+    per_chunk = layers // (S * R)
+    inner = _inner_rules()
+    b = x_BxLxD.shape[0] // M
+
+    def micro(x):  # row i -> micro-batch i % M
+        return x.reshape(b, M, *x.shape[1:]).swapaxes(0, 1)
+
+    # [S, R, per_chunk, ...]: a reshape of the storage order, stage-major, so sharded as stored
+    weights = jax.tree.map(lambda w: w.reshape(S, R, per_chunk, *w.shape[1:]), params)
+    xs_MxbxLxD, pos_MxbxL, seg_MxbxL = micro(x_BxLxD), micro(positions_BxL), micro(segment_ids_BxL)
+
+    if remat_policy is not None:
+        layer_fn = jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=False)
+
+    def stage_fn(w_C, x_bxLxD, pos_bxL, seg_bxL):
+        """One stage's chunk of layers on one micro-batch."""
+        def body(x, w):
+            return layer_fn(w, x, pos_bxL, seg_bxL)
+        return jax.lax.scan(body, x_bxLxD, w_C)
+
+    with nn.logical_axis_rules(inner):
+        act = rules_lib.active_axes(("batch", "length", "embed"), (b, *x_BxLxD.shape[1:]))
+    act_spec = jax.sharding.PartitionSpec(STAGE, *(a or None for a in act))
+    stream_spec = jax.sharding.PartitionSpec(STAGE, None, *(a or None for a in act))
+
+    def constrain(x, spec):
+        return jax.lax.with_sharding_constraint(x, spec) if rules_lib.active_mesh() is not None else x
+
+    stage_ids = jnp.arange(S)
+    # The stream: stage 0's inputs (slot s > 0 unused: each stage keeps its own, local)
+    stream = constrain(jnp.broadcast_to(xs_MxbxLxD, (S, *xs_MxbxLxD.shape)), stream_spec)
+    state = constrain(jnp.zeros((S, *xs_MxbxLxD.shape[1:]), x_BxLxD.dtype), act_spec)
+    records_shape = jax.eval_shape(lambda: stage_fn(jax.tree.map(lambda w: w[0, 0], weights), xs_MxbxLxD[0],
+                                                    pos_MxbxL[0], seg_MxbxL[0])[1])
+    records = jax.tree.map(lambda r: jnp.zeros((S, R, *r.shape), jnp.float32), records_shape)
+
+    def iteration(carry, t):
+        state, stream, records = carry
+        k_S = t - stage_ids  # each stage's position in its work
+        valid_S = (k_S >= 0) & (k_S < R * M)
+        m_S, r_S = k_S % M, jnp.clip(k_S // M, 0, R - 1)
+        w_S = jax.tree.map(lambda w: checkpoint_name(jax.vmap(lambda ws, r: ws[r])(w, r_S), _WEIGHTS), weights)
+        first = jax.vmap(lambda st: st[t % M])(stream)
+        x_S = jnp.where((stage_ids == 0)[:, None, None, None], first, state)
+        x_S = constrain(x_S, act_spec)
+        with nn.logical_axis_rules(inner):
+            y_S, rec_S = jax.vmap(stage_fn, spmd_axis_name=STAGE)(w_S, x_S, pos_MxbxL[m_S], seg_MxbxL[m_S])
+        y_S = constrain(y_S, act_spec)
+        shifted = constrain(jnp.roll(y_S, 1, axis=0), act_spec)  # stage s-1 -> s, and the last -> 0
+        done = (t - (S - 1)) % M  # the micro-batch the last stage finished, now at stage 0
+        last_valid = valid_S[S - 1]
+        stream = jax.vmap(lambda st, y: st.at[done].set(jnp.where(last_valid, y, st[done])))(stream, shifted)
+        stream = constrain(stream, stream_spec)
+
+        def add(acc, rec):
+            rec = jnp.where(valid_S.reshape(S, *([1] * (rec.ndim - 1))), rec.astype(jnp.float32), 0.0)
+            return jax.vmap(lambda a, v, r: a.at[r].add(v))(acc, rec, r_S)
+        records = jax.tree.map(add, records, rec_S)
+        return (shifted, stream, records), None
+
+    body = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_any_names_but_these(_WEIGHTS),
+                          prevent_cse=False)
+    (_, stream, records), _ = jax.lax.scan(body, (state, stream, records), jnp.arange(schedule.iterations))
+    out_MxbxLxD = stream[0]
+    out_BxLxD = out_MxbxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape)
+    records = jax.tree.map(lambda r: (r / M).reshape(layers, *r.shape[3:]), records)
+    return out_BxLxD, records
+
