@@ -25,7 +25,7 @@ from maxtrain.config import help as cli_help, load as config_lib
 from maxtrain.config import keys as config_keys, validate as config_validate
 from maxtrain.runtime import errors, platform_env
 from maxtrain.observe import fit, summary
-from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
+from maxtrain.parallel import mesh as mesh_lib, pipeline, rules as rules_lib
 from maxtrain.training import step as step_lib
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.models.decoder import output_logits
@@ -53,8 +53,10 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
     multiple = c.mesh_shape["context"] * (128 if c.attention == "splash" else 1)
     total = -(-total // multiple) * multiple
     args = trainer.model.args
-    model = trainer.model.clone(args=dataclasses.replace(args, plan=dataclasses.replace(args.plan,
-                                                                                     context_load_balance=False)))
+    # Decoding runs the layers in order on every device: the pipeline is a training schedule (the weights
+    # stay sharded over stage as trained; XLA gathers each layer's) and its checkpoints hold the model's order.
+    model = trainer.model.clone(args=dataclasses.replace(args, plan=dataclasses.replace(
+        args.plan, context_load_balance=False, schedule=pipeline.Schedule())))
     # The batch axis is sharded over data x fsdp: give every batch shard a (identical) row.
     rows = rules_lib.shards(c.logical_axis_rules, "batch", c.mesh_shape)
     buffer_RxT = np.zeros((rows, total), np.int32)

@@ -104,7 +104,7 @@ print(dict(mesh.shape), len(set(mesh.devices.flat)))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "{'data': 1, 'fsdp': 8, 'expert': 8, 'context': 1, 'tensor': 1} 64" in proc.stdout
+    assert "{'stage': 1, 'data': 1, 'fsdp': 8, 'expert': 8, 'context': 1, 'tensor': 1} 64" in proc.stdout
 
 
 def run_compile(*args):
@@ -114,7 +114,7 @@ def run_compile(*args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,mesh", [
-    (("compile_topology=v5e-4",), "{'data': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 1}"),
+    (("compile_topology=v5e-4",), "{'stage': 1, 'data': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 1}"),
     (("compile_topology=v5p-8", "compile_topology_num_slices=2", "ici_fsdp_parallelism=2",
       "ici_tensor_parallelism=2"), "{'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2}"),
 ], ids=["v5e-4", "v5p-8x2slices"])

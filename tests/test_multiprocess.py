@@ -51,7 +51,7 @@ def losses(run_dir):
 def test_two_processes_match_one(tmp_path, train_tiny, two_process, one_process):
     proc = launch(tmp_path, "run_name=multi", "steps=10", *two_process)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mesh {'data': " in proc.stdout and "done: 10 steps" in proc.stdout
+    assert "mesh {'stage': 1, 'data': " in proc.stdout and "done: 10 steps" in proc.stdout
     multi = losses(tmp_path / "multi")
     single = train_tiny("run_name=single", "steps=10", *one_process)["losses"]
     np.testing.assert_allclose(multi, single, rtol=RTOL)

@@ -64,7 +64,8 @@ def summary(c) -> str:
     moe = f" | experts {c.moe_grouped_matmul}" if c.num_experts > 1 else ""
     quantized = f" | {c.quantization} matmuls ({c.quantization_targets})" if c.quantization else ""
     unrolled = f" | {c.scan_unroll} layers per loop iteration" if c.scan_layers and c.scan_unroll > 1 else ""
-    return f"{c.dtype} | attention {c.attention}{text}{moe}{quantized}{unrolled}"
+    pipeline = f" | {c.plan.schedule.describe()}" if c.plan.schedule.active else ""
+    return f"{c.dtype} | attention {c.attention}{text}{moe}{quantized}{unrolled}{pipeline}"
 
 
 def auto_chunks(c: dict[str, Any]) -> None:

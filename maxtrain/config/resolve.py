@@ -116,6 +116,16 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
                           f"global batch {global_batch} must divide into {accum} micro-batches "
                           f"each divisible by the {batch_shards} batch shards")
 
+    if shape["stage"] > 1:  # each micro-batch runs on one stage's devices, split over their batch axes
+        micro = c["num_pipeline_microbatches"]
+        inner = batch_shards // shape["stage"] if "stage" in rules_lib.mesh_axes(
+            c["logical_axis_rules"], ("batch",))[0] else batch_shards
+        if global_batch % (accum * micro * inner):
+            per = f" per accumulation step ({global_batch // accum})" if accum > 1 else ""
+            raise ConfigError("num_pipeline_microbatches",
+                              f"{micro} micro-batches of the global batch {global_batch}{per} do not each split "
+                              f"over a stage's {inner} batch shards (data x fsdp x expert): use fewer micro-batches "
+                              "or a larger per_device_batch_size")
     c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
              mesh_shape=shape, global_batch_size=global_batch)
     share = c["max_target_length"] // shape["context"]

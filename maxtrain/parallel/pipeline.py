@@ -57,8 +57,8 @@ class Schedule:
         return (self.stages - 1) / self.iterations
 
     def describe(self) -> str:
-        kind = "GPipe" if self.repeats == 1 else f"circular x{self.repeats}"
-        return (f"pipeline {self.stages} stages ({kind}), {self.microbatches} micro-batches, "
+        kind = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} repeats"
+        return (f"pipeline {self.stages} stages ({kind}) x {self.microbatches} micro-batches, "
                 f"bubble {self.bubble:.1%}")
 
 
@@ -120,7 +120,6 @@ def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, sch
 
     # [S, R, per_chunk, ...]: a reshape of the storage order, stage-major, so sharded as stored
     weights = jax.tree.map(lambda w: w.reshape(S, R, per_chunk, *w.shape[1:]), params)
-    xs_MxbxLxD, pos_MxbxL, seg_MxbxL = micro(x_BxLxD), micro(positions_BxL), micro(segment_ids_BxL)
 
     if remat_policy is not None:
         layer_fn = jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=False)
@@ -135,9 +134,14 @@ def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, sch
         act = rules_lib.active_axes(("batch", "length", "embed"), (b, *x_BxLxD.shape[1:]))
     act_spec = jax.sharding.PartitionSpec(STAGE, *(a or None for a in act))
     stream_spec = jax.sharding.PartitionSpec(STAGE, None, *(a or None for a in act))
+    micro_spec = jax.sharding.PartitionSpec(None, *(a or None for a in act))  # on every stage
 
     def constrain(x, spec):
         return jax.lax.with_sharding_constraint(x, spec) if rules_lib.active_mesh() is not None else x
+
+    xs_MxbxLxD = constrain(micro(x_BxLxD), micro_spec)
+    pos_MxbxL = constrain(micro(positions_BxL), jax.sharding.PartitionSpec(*micro_spec[:3]))
+    seg_MxbxL = constrain(micro(segment_ids_BxL), jax.sharding.PartitionSpec(*micro_spec[:3]))
 
     stage_ids = jnp.arange(S)
     # The stream: stage 0's inputs (slot s > 0 unused: each stage keeps its own, local)

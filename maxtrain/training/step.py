@@ -163,12 +163,10 @@ def build(c: Config, mesh) -> Trainer:
     trainer = Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
                       train_step, eval_step, abstract, (c.global_batch_size, c.max_target_length), notes)
     if to_run_order is not _same:
-        def convert(fn, donate):
-            def on(tree):  # a state or its params: jitted with their shardings, once per save or restore
-                shardings = state_shardings if isinstance(tree, TrainState) else param_shardings
-                return jax.jit(fn, in_shardings=(shardings,), out_shardings=shardings,
-                               donate_argnums=(0,) if donate else ())(tree)
-            return on
+        def convert(fn, donate):  # for a state or its params: runs once per save or restore
+            jitted = {kind: jax.jit(fn, out_shardings=shardings, donate_argnums=(0,) if donate else ())
+                      for kind, shardings in (("state", state_shardings), ("params", param_shardings))}
+            return lambda tree: jitted["state" if isinstance(tree, TrainState) else "params"](tree)
         trainer.to_saved, trainer.to_run = convert(to_model_order, False), convert(to_run_order, True)
     return trainer
 

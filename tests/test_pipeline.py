@@ -1,0 +1,187 @@
+"""Pipeline parallelism (maxtrain/parallel/pipeline.py): the schedule, its config checks, and training on
+stage meshes equal to training on one device."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain.config import load as config_lib
+from maxtrain.config.keys import ConfigError
+from maxtrain.parallel import mesh as mesh_lib, pipeline
+from maxtrain.training import step as step_lib
+
+from conftest import TINY
+
+# 4 layers (2 stages x 2 repeats, or 4 stages), 8 query and kv heads (tensor=2 divides them); a global batch
+# of 16 in every run, so 4 micro-batches split over every stage's batch shards.
+MODEL = ("base_num_decoder_layers=4", "base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8")
+# float32 on CPU: the pipeline changes where and in which order sums run, not what they are; stated 1e-5.
+RTOL = 1e-5
+
+
+def load(*overrides):
+    return config_lib.load([TINY, *MODEL, *overrides])
+
+
+# ---- the schedule
+
+
+def test_bubble_and_iterations():
+    assert pipeline.Schedule(4, 1, 4).bubble == pytest.approx(3 / 7)      # GPipe: (S-1) / (M+S-1)
+    assert pipeline.Schedule(4, 2, 8).bubble == pytest.approx(3 / 19)     # circular: (S-1) / (R x M + S-1)
+    assert pipeline.Schedule(2, 1, 8).iterations == 9
+    assert not pipeline.Schedule().active and pipeline.Schedule(2, 1, 2).active
+    assert pipeline.Schedule(2, 2, 4).describe() == "pipeline 2 stages (circular, 2 repeats) x 4 micro-batches, bubble 11.1%"
+
+
+def test_storage_order_keeps_each_stage_chunks_together():
+    # 8 layers, 2 stages, 2 repeats: chunks of 2; stage 0 runs layers 0-1 then 4-5, stage 1 layers 2-3 and 6-7
+    order = pipeline.storage_order(8, 2, 2)
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert pipeline.storage_order(8, 2, 1).tolist() == list(range(8))  # GPipe: the model's own order
+    schedule = pipeline.Schedule(2, 2, 2)
+    tree = {"layers": {"w": jnp.arange(8.0)[:, None] * jnp.ones((8, 3))}, "embedding": jnp.arange(8.0)}
+    stored = pipeline.to_storage_order(tree, {"layers"}, 8, schedule)
+    assert stored["layers"]["w"][:, 0].tolist() == order.tolist()
+    assert stored["embedding"].tolist() == list(range(8))  # not a stack: untouched
+    back = pipeline.to_model_order(stored, {"layers"}, 8, schedule)
+    assert jax.tree.all(jax.tree.map(jnp.array_equal, back, tree))
+
+
+# ---- config checks, each one line naming the key
+
+
+@pytest.mark.parametrize("overrides,key,text", [
+    (("ici_pipeline_parallelism=3",), "ici_pipeline_parallelism", "the pipeline's 4 layers (layers) do not split into 3 stages"),
+    (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"), "num_pipeline_microbatches", "3 is not a multiple of the 2 stages"),
+    (("ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=3"), "num_layers_per_pipeline_stage", "3 does not divide each stage's 2 layers"),
+    (("ici_pipeline_parallelism=2", "num_pipeline_repeats=2", "num_layers_per_pipeline_stage=2"), "num_pipeline_repeats", "2 x num_layers_per_pipeline_stage 2 != each stage's 2 layers"),
+    (("num_pipeline_microbatches=4",), "num_pipeline_microbatches", "4 needs a pipeline"),
+    (("num_pipeline_repeats=2",), "num_pipeline_repeats", "2 needs a pipeline"),
+    (("ici_pipeline_parallelism=2", "scan_layers=false"), "scan_layers", "cannot run a pipeline"),
+    (("ici_pipeline_parallelism=0",), "ici_pipeline_parallelism", "must be a positive integer"),
+    (("dcn_pipeline_parallelism=-1",), "dcn_pipeline_parallelism", "must be a positive integer"),
+    (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=0"), "num_pipeline_microbatches", "must be positive or -1"),
+])
+def test_bad_pipeline_settings_are_refused_at_load(overrides, key, text):
+    with pytest.raises(ConfigError) as e:
+        load(*overrides)
+    assert e.value.key == key and text in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pipeline_keys_fill_at_load():
+    c = load("ici_pipeline_parallelism=2")  # defaults: GPipe, one micro-batch per stage
+    assert (c.num_pipeline_microbatches, c.num_layers_per_pipeline_stage, c.num_pipeline_repeats) == (2, 2, 1)
+    c = load("ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=1", "num_pipeline_microbatches=4")
+    assert (c.num_pipeline_microbatches, c.num_layers_per_pipeline_stage, c.num_pipeline_repeats) == (4, 1, 2)
+    c = load("model_name=default", "num_experts=4", "first_num_dense_layers=1", "base_num_decoder_layers=5",
+             "ici_pipeline_parallelism=2")  # the MoE stack (4 layers) is the pipeline's, its dense layer not
+    assert c.num_layers_per_pipeline_stage == 2
+
+
+def test_micro_batches_must_split_over_a_stage_batch_shards(tiny_config):
+    with pytest.raises(ConfigError) as e:  # global batch 8 over 4 micro-batches: 2 rows, fsdp 4
+        tiny_config(*MODEL, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4")
+    assert e.value.key == "num_pipeline_microbatches" and "a stage's 4 batch shards" in str(e.value)
+
+
+def test_stacks_are_sharded_over_stage_and_the_rest_is_not(tiny_config):
+    c = tiny_config(*MODEL, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")
+    trainer = step_lib.build(c, mesh_lib.make_mesh(c))
+    params = trainer.abstract_state.params
+    wq = params["layers"]["attention"]["wq"]  # [layers 4, embed 64, heads 8, head_dim 8]
+    assert wq.sharding.spec[0] == "stage" and wq.sharding.shard_shape(wq.shape)[:2] == (2, 16)
+    assert "stage" not in str(params["embedding"].sharding.spec)  # the embedding is on every stage
+    assert trainer.batch_sharding.spec[0][:1] == ("stage",)  # outside the pipeline the batch uses all devices
+
+
+# ---- training on stage meshes equals one device
+
+
+@pytest.fixture(scope="module")
+def single_device(tmp_path_factory):
+    from maxtrain import train
+    devices = jax.devices()[:1]
+    out = tmp_path_factory.mktemp("single")
+    c = train.load_config([TINY, *MODEL, "per_device_batch_size=16", f"base_output_directory={out}"], devices)
+    return train.train(c, devices)["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
+    ("ici_pipeline_parallelism=4", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
+    ("ici_pipeline_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"),
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_repeats=2"),
+], ids=["stage2xfsdp4", "stage4xdata2", "stage2xtensor2xfsdp2", "circular_stage2xfsdp4"])
+def test_stage_meshes_match_single_device(train_tiny, single_device, mesh):
+    result = train_tiny(*MODEL, *mesh, "per_device_batch_size=2", "num_pipeline_microbatches=4")
+    assert len(result["losses"]) == 5
+    np.testing.assert_allclose(result["losses"], single_device, rtol=RTOL)
+
+
+def one_step_gradients(c, devices):
+    mesh = mesh_lib.make_mesh(c, devices)
+    trainer = step_lib.build(c, mesh)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, c.vocab_size, (16, c.max_target_length + 1)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "positions": np.broadcast_to(np.arange(c.max_target_length), (16, c.max_target_length)).astype(np.int32),
+             "segment_ids": np.ones((16, c.max_target_length), np.int32),
+             "weights": np.ones((16, c.max_target_length), np.float32)}
+    with mesh_lib.activate(mesh, trainer.rules):
+        state = trainer.init(jax.random.key(0))
+        batch = jax.device_put(batch, trainer.batch_sharding)
+        grad = jax.jit(jax.grad(lambda p, b: step_lib.loss_fn(p, trainer.model, b, scale=1.0 / 16)[0]))
+        grads = grad(state.params, batch)
+        return jax.device_get(trainer.to_saved(grads))  # the model's layer order
+
+
+@pytest.mark.parametrize("mesh", [(), ("num_pipeline_repeats=2",)], ids=["gpipe", "circular"])
+def test_one_step_gradients_equal_single_device(tiny_config, mesh):
+    one = tiny_config(*MODEL, "per_device_batch_size=16", devices=jax.devices()[:1])
+    staged = tiny_config(*MODEL, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "per_device_batch_size=2",
+                         "num_pipeline_microbatches=4", *mesh)
+    expected = one_step_gradients(one, jax.devices()[:1])
+    got = one_step_gradients(staged, jax.devices())
+    for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected)):
+        # float32 sums in another order: equal to 1e-5 of the largest entry
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5 * np.abs(e).max(), err_msg=jax.tree_util.keystr(path))
+
+
+MOE = ("num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true", "load_balance_loss_weight=0.01")
+# DeepSeek's layout: a leading dense layer (before the pipeline) and 4 MoE layers (the pipeline's)
+DEEPSEEK = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
+            "routed_score_func=sigmoid", "norm_topk_prob=true", "routed_scaling_factor=2.5", "routed_bias=true",
+            "base_moe_mlp_dim=32", "base_num_decoder_layers=5")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe", [MOE, DEEPSEEK], ids=["mixtral", "deepseek"])
+def test_moe_on_stage2_x_expert4_matches_single_device(train_tiny, moe):
+    """The routing statistics and auxiliary losses are per micro-batch, as under gradient accumulation:
+    the reference is one device accumulating the same 4 micro-batches."""
+    single = train_tiny(*MODEL, *moe, "run_name=single", "per_device_batch_size=16", "gradient_accumulation_steps=4",
+                        n_devices=1)["losses"]
+    staged = train_tiny(*MODEL, *moe, "run_name=staged", "ici_pipeline_parallelism=2", "ici_expert_parallelism=4",
+                        "ici_fsdp_parallelism=1", "per_device_batch_size=2", "num_pipeline_microbatches=4")["losses"]
+    np.testing.assert_allclose(staged, single, rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_on_2_stages_resumes_on_1_and_4(train_tiny, tmp_path):
+    """Saved under the circular schedule (layers kept per stage in memory), the checkpoint holds the model's
+    own layer order: one device and four stages resume it to the same next losses."""
+    common = (*MODEL, "per_device_batch_size=2", "learning_rate_schedule_steps=6", "checkpoint_period=3")
+    straight = train_tiny(*common, "run_name=straight", "steps=6")["losses"]
+    saved = train_tiny(*common, "run_name=a", "steps=3", "enable_checkpointing=true", "ici_pipeline_parallelism=2",
+                       "ici_fsdp_parallelism=4", "num_pipeline_repeats=2", "num_pipeline_microbatches=4")
+    np.testing.assert_allclose(saved["losses"], straight[:3], rtol=RTOL)
+    for i, mesh in enumerate([("ici_fsdp_parallelism=8",),
+                              ("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4")]):
+        shutil.copytree(tmp_path / "a", tmp_path / f"a{i}")  # the same run, resumed on another mesh
+        resumed = train_tiny(*common, f"run_name=a{i}", "steps=6", "enable_checkpointing=true", *mesh)
+        np.testing.assert_allclose(resumed["losses"], straight[3:], rtol=RTOL)
