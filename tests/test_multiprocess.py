@@ -47,11 +47,16 @@ def losses(run_dir):
     # Text: the two processes split every row's positions, so both read the same documents.
     (("ici_context_parallelism=4", "ici_fsdp_parallelism=1", "dcn_data_parallelism=1", "dcn_context_parallelism=2",
       *TEXT), ("ici_context_parallelism=8", "ici_fsdp_parallelism=1", *TEXT)),
-], ids=["fsdp8", "dcn_data2xfsdp4", "dcn_context2xcontext4", "dcn_context2_text"])
+    # The pipeline's stages across the processes: only activations cross between them.
+    (("ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_pipeline_parallelism=2", "base_num_decoder_layers=4",
+      "num_pipeline_microbatches=4", "num_pipeline_repeats=2", "per_device_batch_size=2"),
+     ("ici_fsdp_parallelism=4", "ici_pipeline_parallelism=2", "base_num_decoder_layers=4",
+      "num_pipeline_microbatches=4", "num_pipeline_repeats=2", "per_device_batch_size=2")),
+], ids=["fsdp8", "dcn_data2xfsdp4", "dcn_context2xcontext4", "dcn_context2_text", "dcn_pipeline2xfsdp4"])
 def test_two_processes_match_one(tmp_path, train_tiny, two_process, one_process):
     proc = launch(tmp_path, "run_name=multi", "steps=10", *two_process)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mesh {'stage': 1, 'data': " in proc.stdout and "done: 10 steps" in proc.stdout
+    assert "mesh {'stage': " in proc.stdout and "done: 10 steps" in proc.stdout
     multi = losses(tmp_path / "multi")
     single = train_tiny("run_name=single", "steps=10", *one_process)["losses"]
     np.testing.assert_allclose(multi, single, rtol=RTOL)

@@ -185,3 +185,36 @@ def test_a_checkpoint_saved_on_2_stages_resumes_on_1_and_4(train_tiny, tmp_path)
         shutil.copytree(tmp_path / "a", tmp_path / f"a{i}")  # the same run, resumed on another mesh
         resumed = train_tiny(*common, f"run_name=a{i}", "steps=6", "enable_checkpointing=true", *mesh)
         np.testing.assert_allclose(resumed["losses"], straight[3:], rtol=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings,mesh", [
+    # int8 scales activations by their absmax over each micro-batch: the reference accumulates the same 4
+    (("quantization=int8",), ("ici_fsdp_parallelism=4",)),
+    (("remat_policy=none",), ("ici_fsdp_parallelism=4",)),
+    (("remat_policy=save_qkv_proj", "mlp_chunk_size=8", "loss_chunk_size=8"), ("ici_fsdp_parallelism=4",)),
+    (("attention=dot_product",), ("ici_context_parallelism=2", "ici_fsdp_parallelism=2")),
+], ids=["int8", "remat_none", "save_qkv_proj_chunks", "context2"])
+def test_pipeline_with_other_features_matches_single_device(train_tiny, settings, mesh):
+    quantized = "quantization=int8" in settings
+    # int8 scales activations by their absmax over a micro-batch: the reference accumulates the same 4; and
+    # a float32 rounding difference can flip an 8-bit value (as between any two meshes): stated 1e-3
+    accumulate = ("gradient_accumulation_steps=4",) if quantized else ()
+    single = train_tiny(*MODEL, *settings, *accumulate, "run_name=single", "per_device_batch_size=16",
+                        n_devices=1)["losses"]
+    staged = train_tiny(*MODEL, *settings, *mesh, "run_name=staged", "ici_pipeline_parallelism=2",
+                        "per_device_batch_size=2", "num_pipeline_microbatches=4", "num_pipeline_repeats=2")["losses"]
+    np.testing.assert_allclose(staged, single, rtol=1e-3 if quantized else RTOL)
+
+
+def test_pipelined_layers_run_their_matmuls_quantized(tiny_config):
+    """The pipeline runs each layer as a module of its own: Qwix's rules still find its projections."""
+    from test_quantization import lowered_dots
+    c = tiny_config(*MODEL, "quantization=int8", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
+                    "per_device_batch_size=2", "num_pipeline_microbatches=4")
+    dots = lowered_dots(c)
+    eight_bit = [shapes for types, shapes in dots if types == ("i8", "i8")]
+    d, h, k, f = c.base_emb_dim, c.base_num_query_heads, c.head_dim, c.base_mlp_dim
+    # per stage (the vmapped dimension, 2) the q projection [64, 8, 8] and the MLP's [64, 128], forward
+    assert any({(2, 4, 32, d), (2, d, h, k)} <= s for s in eight_bit), eight_bit
+    assert any((2, d, f) in s for s in eight_bit), eight_bit

@@ -71,14 +71,18 @@ def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = Tr
 def quantization_paths(c) -> dict[str, str]:
     """The module-path regex of each quantization target. An MoE model's routed experts run through
     grouped-matmul kernels Qwix does not intercept: `mlp` there quantizes the leading dense layers' MLPs
-    and the shared experts (`<stack>/mlp/shared`)."""
-    paths = {"attention": r"[^/]+/attention"}
+    and the shared experts (`<stack>/mlp/shared`). Under a pipeline the last stack's layers run as modules
+    of their own (a function of each layer's parameters), whose paths start at the layer: `attention`."""
+    paths = {"attention": r"([^/]+/)?attention"}
+    stacks = stacks_lib.for_keys(c)
+    pipelined = c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1
     dense: list[str] = []
-    for s in stacks_lib.for_keys(c):
+    for s in stacks:
         if not s.moe:
-            dense += [s.name] if c["scan_layers"] else [stacks_lib.unrolled(i) for i in s.layers]
-    shared = [r"[^/]+/mlp/shared"] if c["num_experts"] > 1 else []
-    paths["mlp"] = "|".join([f"{name}/mlp" for name in dense] + shared)
+            prefix = "" if pipelined and s is stacks[-1] else f"{s.name}/"
+            dense += [prefix] if c["scan_layers"] else [f"{stacks_lib.unrolled(i)}/" for i in s.layers]
+    shared = [r"([^/]+/)?mlp/shared"] if c["num_experts"] > 1 else []
+    paths["mlp"] = "|".join([f"{prefix}mlp" for prefix in dense] + shared)
     return paths
 
 
