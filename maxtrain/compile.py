@@ -134,7 +134,7 @@ def compile_for(c_static: config_lib.Config) -> int:
           f"{devices[0].device_kind}) | {c.num_params / 1e6:,.1f}M params{active} | mesh {c.mesh_shape} | "
           f"batch {c.global_batch_size} x {c.max_target_length} | remat {c.remat_policy} | "
           f"{platform_defaults.summary(c)} | {c.weight_dtype} weights")
-    for note in trainer.notes:  # dimensions left unsharded on an axis that does not divide them
+    for note in trainer.notes:  # the pipeline's placement; dimensions left unsharded on an axis
         print(note)
     print(f"memory per device: {summary.format_memory(mem)} | HBM {hbm:.1f} GiB")
     print(f"model FLOPs per step: {flops:.3e} ({flops / len(devices) / 1e12:.1f} TFLOP per device)")

@@ -59,8 +59,6 @@ def test_storage_order_keeps_each_stage_chunks_together():
     (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"), "num_pipeline_microbatches", "3 is not a multiple of the 2 stages"),
     (("ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=3"), "num_layers_per_pipeline_stage", "3 does not divide each stage's 2 layers"),
     (("ici_pipeline_parallelism=2", "num_pipeline_repeats=2", "num_layers_per_pipeline_stage=2"), "num_pipeline_repeats", "2 x num_layers_per_pipeline_stage 2 != each stage's 2 layers"),
-    (("num_pipeline_microbatches=4",), "num_pipeline_microbatches", "4 needs a pipeline"),
-    (("num_pipeline_repeats=2",), "num_pipeline_repeats", "2 needs a pipeline"),
     (("ici_pipeline_parallelism=2", "scan_layers=false"), "scan_layers", "cannot run a pipeline"),
     (("ici_pipeline_parallelism=0",), "ici_pipeline_parallelism", "must be a positive integer"),
     (("dcn_pipeline_parallelism=-1",), "dcn_pipeline_parallelism", "must be a positive integer"),
@@ -72,14 +70,29 @@ def test_bad_pipeline_settings_are_refused_at_load(overrides, key, text):
     assert e.value.key == key and text in str(e.value) and "\n" not in str(e.value)
 
 
-def test_pipeline_keys_fill_at_load():
-    c = load("ici_pipeline_parallelism=2")  # defaults: GPipe, one micro-batch per stage
-    assert (c.num_pipeline_microbatches, c.num_layers_per_pipeline_stage, c.num_pipeline_repeats) == (2, 2, 1)
-    c = load("ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=1", "num_pipeline_microbatches=4")
-    assert (c.num_pipeline_microbatches, c.num_layers_per_pipeline_stage, c.num_pipeline_repeats) == (4, 1, 2)
-    c = load("model_name=default", "num_experts=4", "first_num_dense_layers=1", "base_num_decoder_layers=5",
-             "ici_pipeline_parallelism=2")  # the MoE stack (4 layers) is the pipeline's, its dense layer not
-    assert c.num_layers_per_pipeline_stage == 2
+def test_the_schedule_follows_from_the_keys(tiny_config):
+    def schedule(*overrides):
+        c = tiny_config(*MODEL, "per_device_batch_size=2", *overrides)
+        assert c.plan.schedule == pipeline.Schedule(c.mesh_shape["stage"], c.pipeline_repeats, c.pipeline_microbatches)
+        return c.plan.schedule
+    # defaults: GPipe, one micro-batch per stage
+    assert schedule("ici_pipeline_parallelism=2") == pipeline.Schedule(2, 1, 2)
+    assert schedule("ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=1",
+                    "num_pipeline_microbatches=4") == pipeline.Schedule(2, 2, 4)
+    assert schedule("ici_pipeline_parallelism=4", "num_pipeline_repeats=1") == pipeline.Schedule(4, 1, 4)
+    assert schedule() == pipeline.Schedule(1, 1, 1) and not schedule().active
+    # the MoE stack (4 layers) is the pipeline's, the leading dense layer is not: 2 per stage, 2 repeats
+    assert schedule("num_experts=4", "first_num_dense_layers=1", "base_num_decoder_layers=5",
+                    "ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=1") == pipeline.Schedule(2, 2, 2)
+
+
+def test_pipeline_keys_without_a_pipeline_warn():
+    from maxtrain.config.validate import no_effect_warnings
+    c = load("num_pipeline_microbatches=4", "num_pipeline_repeats=2")
+    assert no_effect_warnings(c) == [
+        "num_pipeline_microbatches: 4 has no effect: no pipeline (ici_pipeline_parallelism x dcn_pipeline_parallelism = 1)",
+        "num_pipeline_repeats: 2 has no effect: no pipeline (ici_pipeline_parallelism x dcn_pipeline_parallelism = 1)"]
+    assert no_effect_warnings(load("ici_pipeline_parallelism=2", "num_pipeline_repeats=2")) == []
 
 
 def test_micro_batches_must_split_over_a_stage_batch_shards(tiny_config):
@@ -96,6 +109,23 @@ def test_stacks_are_sharded_over_stage_and_the_rest_is_not(tiny_config):
     assert wq.sharding.spec[0] == "stage" and wq.sharding.shard_shape(wq.shape)[:2] == (2, 16)
     assert "stage" not in str(params["embedding"].sharding.spec)  # the embedding is on every stage
     assert trainer.batch_sharding.spec[0][:1] == ("stage",)  # outside the pipeline the batch uses all devices
+    assert trainer.notes[0] == ("pipeline placement: stage 0: layers 0-1; stage 1: layers 2-3 (layers); the embedding, "
+                                "the final norm and the output layer run outside the pipeline on every stage, the "
+                                "batch split over all devices")
+
+
+def test_the_first_line_and_dry_run_state_the_schedule(tmp_path):
+    import subprocess, sys
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, *MODEL, "ici_pipeline_parallelism=2",
+                           "ici_fsdp_parallelism=4", "per_device_batch_size=2", "num_pipeline_microbatches=4",
+                           "num_pipeline_repeats=2", "dry_run=true", f"base_output_directory={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = next(line for line in proc.stdout.splitlines() if line.startswith("maxtrain: "))
+    assert first.endswith("| pipeline 2 stages (circular, 2 repeats) x 4 micro-batches, bubble 11.1%")
+    assert "pipeline placement: stage 0: layers 0, 2; stage 1: layers 1, 3 (layers);" in proc.stdout
+    assert "train step memory per device:" in proc.stdout
+    assert "Involuntary" not in proc.stderr  # no resharding the compiler could only do by replicating
 
 
 # ---- training on stage meshes equals one device

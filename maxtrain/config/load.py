@@ -19,7 +19,6 @@ import yaml
 from maxtrain.config import run_name as run_name_lib, yaml_file
 from maxtrain.config.keys import (DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, PRESET_KEYS, RENAMED, UPPER_BOUNDS,
                                   ConfigError, moe_width)
-from maxtrain.config import validate as validate_lib
 from maxtrain.config.validate import validate
 from maxtrain.models import registry
 
@@ -231,7 +230,6 @@ def _read_preset(name: str) -> dict[str, Any]:
 def _derive_static(c: dict[str, Any]) -> dict[str, Any]:
     if c["learning_rate_schedule_steps"] == -1:
         c["learning_rate_schedule_steps"] = c["steps"]
-    c.update(validate_lib.pipeline_settings(c))
     spec = registry.spec_for(c)  # the model's family counts its parameters
     derived = {"moe_mlp_dim": moe_width(c), "num_params": spec.count_params(c, False),
                "num_active_params": spec.count_params(c, True)}

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from maxtrain.config import platform_defaults
+from maxtrain.config import platform_defaults, validate
 from maxtrain.config.load import Config
 from maxtrain.config.keys import INT_MAX, MESH_AXES, ConfigError, parallelism_key
 from maxtrain.parallel import rules as rules_lib
@@ -28,6 +28,8 @@ DERIVED = {
     "mesh_shape": "{mesh axis: devices}: ici x dcn",
     "global_batch_size": "sequences per step over all devices: per_device_batch_size x num_devices",
     "moe_chunk_size": "positions per chunk of an MoE layer's experts (mlp_chunk_size's auto rule for MoE); 0 = none",
+    "pipeline_microbatches": "micro-batches per step through the pipeline (num_pipeline_microbatches, -1 filled)",
+    "pipeline_repeats": "visits of a micro-batch to each stage (num_pipeline_repeats, -1 filled); 1 = GPipe",
 }
 # Keys whose auto value resolve replaces (platform_defaults), and that value.
 AUTO = {"attention": "auto", "moe_grouped_matmul": "auto", "scan_unroll": -1, "loss_chunk_size": -1,
@@ -116,8 +118,9 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
                           f"global batch {global_batch} must divide into {accum} micro-batches "
                           f"each divisible by the {batch_shards} batch shards")
 
+    schedule = validate.pipeline_settings(c)
+    micro = schedule["num_pipeline_microbatches"]
     if shape["stage"] > 1:  # each micro-batch runs on one stage's devices, split over their batch axes
-        micro = c["num_pipeline_microbatches"]
         inner = batch_shards // shape["stage"] if "stage" in rules_lib.mesh_axes(
             c["logical_axis_rules"], ("batch",))[0] else batch_shards
         if global_batch % (accum * micro * inner):
@@ -127,7 +130,8 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
                               f"over a stage's {inner} batch shards (data x fsdp x expert): use fewer micro-batches "
                               "or a larger per_device_batch_size")
     c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
-             mesh_shape=shape, global_batch_size=global_batch)
+             mesh_shape=shape, global_batch_size=global_batch, pipeline_microbatches=micro,
+             pipeline_repeats=schedule["num_pipeline_repeats"])
     share = c["max_target_length"] // shape["context"]
     for key in ("loss_chunk_size", "mlp_chunk_size"):
         if c[key] > 0 and share % c[key]:

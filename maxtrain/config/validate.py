@@ -130,7 +130,8 @@ def _validate_moe(c: dict[str, Any]) -> None:
 
 
 def pipeline_settings(c: Mapping[str, Any]) -> dict[str, int]:
-    """The pipeline keys with their -1s filled (the stages are known at load: no pipeline axis fills),
+    """The pipeline's schedule: the pipeline keys with their -1s filled (the stages are known at load: no
+    pipeline axis fills; the config keeps the keys as given, so a run's config.yml resumes on other stages),
     after the checks of README "Pipeline parallelism". The pipeline runs the model's last stack (a
     dense model's layers; an MoE model's MoE layers: its leading dense layers run before it, on every
     device, as the embedding does)."""
@@ -140,11 +141,7 @@ def pipeline_settings(c: Mapping[str, Any]) -> dict[str, int]:
         if c[key] == 0 or c[key] < -1:
             raise ConfigError(key, "must be positive or -1 (auto)")
     last = stacks_lib.for_keys(c)[-1]
-    if stages == 1:
-        for key in keys:
-            if c[key] not in (-1, 1) or (key == "num_layers_per_pipeline_stage" and c[key] != -1):
-                raise ConfigError(key, f"{c[key]} needs a pipeline: ici_pipeline_parallelism or "
-                                  "dcn_pipeline_parallelism > 1")
+    if stages == 1:  # set anyway: a no-effect warning (a pipelined run's config resumed on one stage)
         return {"num_pipeline_microbatches": 1, "num_layers_per_pipeline_stage": last.count, "num_pipeline_repeats": 1}
     if not c["scan_layers"]:
         raise ConfigError("scan_layers", "false cannot run a pipeline: its stages run a scanned stack's layers")
@@ -213,6 +210,11 @@ def no_effect_warnings(c: Mapping[str, Any]) -> list[str]:
     if c["profiler"] and c["profiler_start_step"] > c["steps"]:
         warnings.append(f"profiler_start_step: {c['profiler_start_step']} is after the last step (steps="
                         f"{c['steps']}): profiler={c['profiler']} traces nothing")
+    if c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] == 1:
+        for key in ("num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_pipeline_repeats"):
+            if c[key] != -1:
+                warnings.append(f"{key}: {c[key]} has no effect: no pipeline (ici_pipeline_parallelism x "
+                                "dcn_pipeline_parallelism = 1)")
     if c["capacity_factor"] > 0 and c["num_experts"] == 1:
         warnings.append(f"capacity_factor: {c['capacity_factor']} has no effect: num_experts=1 (a dense model)")
     return warnings

@@ -62,6 +62,22 @@ class Schedule:
                 f"bubble {self.bubble:.1%}")
 
 
+def placement(stacks: list[tuple[str, int, bool]], schedule: Schedule) -> str:
+    """Where the layers of a model with `stacks` ((name, layers, is MoE), in order) run: one line."""
+    name, count, _ = stacks[-1]
+    per_chunk = count // (schedule.stages * schedule.repeats)
+    first = sum(n for _, n, _ in stacks[:-1])  # the model's index of the pipeline's first layer
+
+    def chunks(stage: int) -> str:
+        starts = [first + (r * schedule.stages + stage) * per_chunk for r in range(schedule.repeats)]
+        return ", ".join(f"{s}" if per_chunk == 1 else f"{s}-{s + per_chunk - 1}" for s in starts)
+    shown = [f"stage {s}: layers {chunks(s)}" for s in range(min(schedule.stages, 4))]
+    more = f"; ... stage {schedule.stages - 1}: layers {chunks(schedule.stages - 1)}" if schedule.stages > 4 else ""
+    before = f"the {first} leading layers ({', '.join(n for n, _, _ in stacks[:-1])}), " if first else ""
+    return (f"pipeline placement: {'; '.join(shown)}{more} ({name}); {before}the embedding, the final norm and "
+            "the output layer run outside the pipeline on every stage, the batch split over all devices")
+
+
 def storage_order(layers: int, stages: int, repeats: int) -> np.ndarray:
     """order[i] = the model's layer held at place i of a pipelined stack: stage-major, so the contiguous
     block of places a stage holds is its `repeats` chunks."""

@@ -40,8 +40,7 @@ class Plan:
         return cls(attention=c.attention, mlp_chunk=c.mlp_chunk_size, moe_chunk=c.moe_chunk_size,
                    moe_grouped_matmul=c.moe_grouped_matmul, remat_policy=c.remat_policy, scan_unroll=c.scan_unroll,
                    context_load_balance=c.context_parallel_load_balance,
-                   schedule=pipeline.Schedule(c.mesh_shape["stage"], c.num_pipeline_repeats,
-                                              c.num_pipeline_microbatches))
+                   schedule=pipeline.Schedule(c.mesh_shape["stage"], c.pipeline_repeats, c.pipeline_microbatches))
 
     @classmethod
     def single_device(cls, c) -> "Plan":

@@ -92,7 +92,7 @@ class Trainer:
     eval_step: Callable[[Any, dict], dict]
     abstract_state: TrainState
     global_batch_shape: tuple[int, int]
-    notes: list[str] = dataclasses.field(default_factory=list)  # dimensions left unsharded on an axis, for the log
+    notes: list[str] = dataclasses.field(default_factory=list)  # for the log: the pipeline, uneven dimensions
     # A state (or params) between the run's layer order and the model's, which checkpoints hold: the
     # circular pipeline keeps each stage's layers together (pipeline.storage_order); else the identity.
     to_saved: Callable[[Any], Any] = lambda tree: tree
@@ -131,6 +131,8 @@ def build(c: Config, mesh) -> Trainer:
     param_shapes = nn.meta.unbox(boxed)
     param_shardings = rules_lib.param_shardings(param_specs, param_shapes, mesh, rules)
     notes = rules_lib.uneven_notes(param_specs, param_shapes, rules, dict(mesh.shape))
+    if model.args.plan.schedule.active:
+        notes.insert(0, pipeline.placement(model.args.stacks(), model.args.plan.schedule))
     abstract = jax.eval_shape(init_state, rng)
     replicated = rules_lib.replicated(mesh)
     # Optimizer moments are shaped like the params and sharded like them; counters are replicated.
