@@ -148,13 +148,12 @@ def _fill(group: str, sizes: dict[str, int], total: int) -> dict[str, int]:
     known = math.prod(s for s in sizes.values() if s != -1)
     fill = [a for a, s in sizes.items() if s == -1]
     given = " x ".join(f"{a}={s}" for a, s in sizes.items())
+    unit = "devices per slice" if group == "ici" else "slices (TPU slices; elsewhere processes)"
     if fill:
         if total % known:
-            raise ConfigError(parallelism_key(group, fill[0]),
-                              f"cannot fill: {given} does not divide {total} {group} devices")
+            raise ConfigError(parallelism_key(group, fill[0]), f"cannot fill: {given} does not divide the {total} {unit}")
         sizes = {**sizes, fill[0]: total // known}
     elif known != total:
-        unit = "devices per slice" if group == "ici" else "slices"
         raise ConfigError(f"{group}_*_parallelism",
                           f"{given} has product {known}, but there are {total} {unit}")
     return sizes
