@@ -116,13 +116,18 @@ def run_compile(*args):
 @pytest.mark.parametrize("args,mesh", [
     (("compile_topology=v5e-4",), "{'stage': 1, 'data': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 1}"),
     (("compile_topology=v5p-8", "compile_topology_num_slices=2", "ici_fsdp_parallelism=2",
-      "ici_tensor_parallelism=2"), "{'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2}"),
-], ids=["v5e-4", "v5p-8x2slices"])
+      "ici_tensor_parallelism=2"), "{'stage': 1, 'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2}"),
+    (("compile_topology=v5p-8", "compile_topology_num_slices=2", "dcn_pipeline_parallelism=2"),
+     "{'stage': 2, 'data': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 1}"),
+], ids=["v5e-4", "v5p-8x2slices", "v5p-8x2slices_pipeline"])
 def test_compile_for_a_tpu_topology_on_cpu(args, mesh):
     proc = run_compile(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"mesh {mesh}" in proc.stdout
     assert "memory per device: arguments" in proc.stdout and "temporaries" in proc.stdout
+    if "'stage': 2" in mesh:  # the schedule and where the layers run
+        assert "| pipeline 2 stages (GPipe) x 2 micro-batches, bubble 33.3% |" in proc.stdout
+        assert "pipeline placement: stage 0: layers 0; stage 1: layers 1 (layers);" in proc.stdout
     assert "model FLOPs per step" in proc.stdout and "fits:" in proc.stdout
 
 
