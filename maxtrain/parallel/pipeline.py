@@ -107,16 +107,17 @@ def _inner_rules() -> tuple:
 
 def iteration_policy(layer_policy):
     """What the scan over iterations keeps for the backward pass: each layer's input (as a stack without
-    the pipeline keeps it), and what the layer's own policy keeps inside a layer (under `none`: all of
-    it); never the weights an iteration selects, which are a slice of arguments the scan holds anyway.
-    Keeping less (only the iteration's input) would run each stage's forward a third time."""
+    the pipeline keeps it) and what the layer's own policy keeps inside a layer; under no remat, every
+    named intermediate (a policy saving all would keep each iteration's weights, cast or sliced, too).
+    Never the weights an iteration selects, a slice of arguments the scan holds anyway. Keeping less
+    (only the iteration's input) would run each stage's forward a third time."""
     def policy(prim, *args, **params):
         if prim.name == "name":  # checkpoint_name's primitive
             if params["name"] == _WEIGHTS:
                 return False
-            if params["name"] == _LAYER_INPUT:
+            if params["name"] == _LAYER_INPUT or layer_policy is None:
                 return True
-        return True if layer_policy is None else layer_policy(prim, *args, **params)
+        return False if layer_policy is None else layer_policy(prim, *args, **params)
     return policy
 
 
