@@ -35,6 +35,7 @@ from maxtrain.parallel import rules as rules_lib
 STAGE = "stage"  # the mesh axis
 LAYERS_AXIS = "stage_layers"  # the logical name of a pipelined stack's layers dimension
 _WEIGHTS = "pipeline_weights"  # the chunk of weights an iteration selects: recomputed, never saved
+_LAYER_INPUT = "pipeline_layer_input"  # each layer's input in each iteration: saved for the backward pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +121,22 @@ def _inner_rules() -> tuple:
     return tuple(out)
 
 
+def iteration_policy(layer_policy):
+    """What the scan over iterations keeps for the backward pass: each layer's input (as a stack without
+    the pipeline keeps it) and what the layer's own policy keeps inside a layer; under no remat, every
+    named intermediate (a policy saving all would keep each iteration's weights, cast or sliced, too).
+    Never the weights an iteration selects, a slice of arguments the scan holds anyway. Keeping less
+    (only the iteration's input) would run each stage's forward a third time."""
+    def policy(prim, *args, **params):
+        if prim.name == "name":  # checkpoint_name's primitive
+            if params["name"] == _WEIGHTS:
+                return False
+            if params["name"] == _LAYER_INPUT or layer_policy is None:
+                return True
+        return False if layer_policy is None else layer_policy(prim, *args, **params)
+    return policy
+
+
 def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, schedule: Schedule,
         remat_policy=None):
     """The stack's output [B,L,D] and each layer's records (stacked [layers, ...] in storage order, the
@@ -143,7 +160,7 @@ def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, sch
     def stage_fn(w_C, x_bxLxD, pos_bxL, seg_bxL):
         """One stage's chunk of layers on one micro-batch."""
         def body(x, w):
-            return layer_fn(w, x, pos_bxL, seg_bxL)
+            return layer_fn(w, checkpoint_name(x, _LAYER_INPUT), pos_bxL, seg_bxL)
         return jax.lax.scan(body, x_bxLxD, w_C)
 
     with nn.logical_axis_rules(inner):
@@ -191,11 +208,12 @@ def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, sch
         records = jax.tree.map(add, records, rec_S)
         return (shifted, stream, records), None
 
-    body = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_any_names_but_these(_WEIGHTS),
-                          prevent_cse=False)
+    body = jax.checkpoint(iteration, policy=iteration_policy(remat_policy), prevent_cse=False)
     (_, stream, records), _ = jax.lax.scan(body, (state, stream, records), jnp.arange(schedule.iterations))
     out_MxbxLxD = stream[0]
-    out_BxLxD = out_MxbxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape)
+    # laid out as the batch outside the pipeline (split over stage too): left to propagation, the loss
+    # after it ran on every stage's devices with the batch split over stage alone
+    out_BxLxD = rules_lib.constrain(out_MxbxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape), ("batch", "length", "embed"))
     records = jax.tree.map(lambda r: (r / M).reshape(layers, *r.shape[3:]), records)
     return out_BxLxD, records
 
