@@ -70,3 +70,12 @@ def test_output_is_laid_out_as_the_batch_outside():
         step = jax.jit(lambda w, x: loss(w, x, remat.POLICIES["full"])[1])
         y = step(weights, x)
     assert y.sharding.spec == P(("stage", "fsdp"))
+
+
+def test_minimal_keeps_the_projections_as_without_the_pipeline():
+    """`minimal` keeps matmuls without batch dimensions; under the vmap over stages each has the stage's."""
+    schedule, shapes = residual_shapes("minimal")
+    # x @ wi's output per layer and iteration (tanh's input), as a layer outside the pipeline keeps it
+    assert [s for s in shapes if s[:1] == (schedule.iterations,) and s[-1] == WIDE]
+    schedule, shapes = residual_shapes("full")
+    assert not [s for s in shapes if s[:1] == (schedule.iterations,) and s[-1] == WIDE]

@@ -121,6 +121,21 @@ def _inner_rules() -> tuple:
     return tuple(out)
 
 
+def _as_outside_the_vmap(policy):
+    """`policy` judging a layer as it runs without the pipeline: under the vmap over stages every
+    matmul gains a batch dimension (the stage, first), so `minimal`'s "dots with no batch dimensions"
+    would keep none of the projections."""
+    if policy is not jax.checkpoint_policies.dots_with_no_batch_dims_saveable:
+        return policy
+
+    def projections(prim, *_, **params):
+        if prim is jax.lax.dot_general_p:
+            (_, _), (lhs_batch, rhs_batch) = params["dimension_numbers"]
+            return tuple(lhs_batch) == (0,) and tuple(rhs_batch) == (0,)
+        return False
+    return projections
+
+
 def iteration_policy(layer_policy):
     """What the scan over iterations keeps for the backward pass: each layer's input (as a stack without
     the pipeline keeps it) and what the layer's own policy keeps inside a layer; under no remat, every
@@ -154,6 +169,7 @@ def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, sch
     # [S, R, per_chunk, ...]: a reshape of the storage order, stage-major, so sharded as stored
     weights = jax.tree.map(lambda w: w.reshape(S, R, per_chunk, *w.shape[1:]), params)
 
+    remat_policy = _as_outside_the_vmap(remat_policy)
     if remat_policy is not None:
         layer_fn = jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=False)
 
