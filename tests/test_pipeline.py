@@ -248,3 +248,19 @@ def test_pipelined_layers_run_their_matmuls_quantized(tiny_config):
     # per stage (the vmapped dimension, 2) the q projection [64, 8, 8] and the MLP's [64, 128], forward
     assert any({(2, 4, 32, d), (2, d, h, k)} <= s for s in eight_bit), eight_bit
     assert any((2, d, f) in s for s in eight_bit), eight_bit
+
+
+def test_generate_runs_a_pipelined_run_layers_in_order(tiny_config):
+    """A pipelined run's parameters in the model's order (as its checkpoints hold them): maxtrain.generate
+    under the run's config, stage axis and all, gives one device's greedy tokens."""
+    from maxtrain import generate
+
+    def tokens(devices, *mesh):
+        c = tiny_config(*MODEL, *mesh, devices=devices)
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            params = trainer.to_saved(trainer.init(jax.random.key(0)).params)
+            return generate.generate(c, trainer, params, [5, 6, 7, 8], 6)
+    staged = tokens(jax.devices(), "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "per_device_batch_size=2",
+                    "num_pipeline_microbatches=4", "num_pipeline_repeats=2")
+    assert staged == tokens(jax.devices()[:1]) and len(staged) == 6
