@@ -6,12 +6,14 @@
 Each CPU row runs in its own subprocess (fake device counts differ), one after another, with synthetic
 data: s/step is the mean over `--steps` steps after two warm-up steps; MFU is model FLOPs per second
 (remat recompute not counted) over the float32 matmul peak measured in the same subprocess; in
-parentheses, the same for every FLOP the step executes (XLA's count, recompute included). "1.2x needs"
+parentheses, the same for every FLOP the step executes (XLA's count, recompute included; for a pipelined
+row the same model's without the pipeline, so the bubble shows in both). "1.2x needs"
 is what 1.2x the issue's MaxText tokens/s would take of that peak, on both counts. With
 `--rounds N` each row runs N times (alternating with MaxText's run, with --maxtext): s/step is the
 median, with the range; tokens/s, MFU and the peaks come from the median run (the lower middle one
 for an even N). The AOT
-rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures from the
+rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra); `--rows` naming some of them
+runs only those. MaxText's figures from the
 issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted; with
 --maxtext, MaxText's own train_compile also runs each AOT row, on maxtrain's libtpu ("here"; both
 sides on another one with TPU_LIBRARY_PATH=.../libtpu.so).
@@ -65,6 +67,9 @@ MOE = SMALL + ["num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=1024"
 # load-balanced on both sides, keys and values all-gathered: both frameworks' defaults), 2 sequences.
 CONTEXT = [x for x in SMALL if not x.startswith("max_target_length")] + ["max_target_length=2048",
                                                                          "ici_context_parallelism=4"]
+# Pipeline: the small model's 4 layers over 2 stages (2 each, GPipe) x fsdp 2, 8 micro-batches of 2
+# sequences (MaxText splits each micro-batch over data x fsdp, so 2 rows at least: global batch 16).
+PIPELINE = SMALL + ["ici_pipeline_parallelism=2", "num_pipeline_microbatches=8"]
 # name, overrides, fake devices, global batch, MaxText s/step, MaxText tokens/s (None: the issue quotes none)
 ROWS = [
     ("tiny", TINY, 1, 12, None, None),
@@ -77,6 +82,7 @@ ROWS = [
     ("medium remat minimal", MEDIUM + ["remat_policy=minimal"], 1, 4, 5.53, 371),
     ("moe 8x top-2", MOE, 1, 4, None, None),
     ("context=4 2048", CONTEXT, 4, 2, None, None),
+    ("pipeline=2 fsdp=2", PIPELINE, 4, 16, None, None),
 ]
 # MaxText's own keys for the same work (its model keys are the ones above): the llama2 block, synthetic
 # data, plain dot-product attention, nothing written.
@@ -91,10 +97,16 @@ MAXTEXT_ARGS = ["hardware=cpu", "skip_jax_distributed_system=true", "model_name=
 # MoE on CPU. sparse_matmul=false without a capacity factor is dropless too (every expert on every token, as
 # einsums) and on CPU the faster of the two: idle 2-core EPYC, runs minutes apart, 1.77-1.89 s/step against
 # ragged_dot's 2.2-2.5 (megablox interpreted: slower still); the ratio against it: 1.56-1.87x (2026-11-23).
+# The pipeline row: MaxText's stage holds 1 layer per visit by default (a circular schedule); 2 make it
+# GPipe's, as maxtrain's -1.
 MAXTEXT_ROW_KEYS = {
+    "pipeline=2 fsdp=2": ["num_layers_per_pipeline_stage=2"],
     "moe 8x top-2": ["decoder_block=mixtral", "norm_topk_prob", "sparse_matmul=true", "megablox=false",
                      "capacity_factor=-1"],
 }
+SLICES_70B = ["model_name=llama3.1-70b", "compile_topology_num_slices=2", "ici_fsdp_parallelism=64",
+              "per_device_batch_size=2", "max_target_length=4096"]
+PIPELINE_70B = SLICES_70B + ["dcn_pipeline_parallelism=2", "num_pipeline_microbatches=4"]
 AOT = [
     ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
     ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
@@ -112,11 +124,22 @@ AOT = [
     # Long context (#25): 4 sequences of 131,072 tokens, each over 16 chips; MaxText's figure: its own install.
     ("llama3-8b 131072 context=16", ["model_name=llama3-8b", "max_target_length=131072", "ici_context_parallelism=16",
                                      "ici_fsdp_parallelism=4", "per_device_batch_size=0.0625"], 8.84),
+    # Pipeline (#37): llama3.1-70b on 2 slices, the stages across them, 4 micro-batches of 64 sequences.
+    # MaxText's figures: its train_compile of the same keys on 0.0.42. Its GPipe plans 97.23 GiB of
+    # temporaries alone (over v5p's 95.74: does not fit), so the ratio there is a lower bound.
+    ("llama3.1-70b 2 slices GPipe", PIPELINE_70B, 97.23),
+    ("llama3.1-70b 2 slices circular x4", PIPELINE_70B + ["num_layers_per_pipeline_stage=10"], 61.65),
+    # The reference: no pipeline, fsdp across the slices instead.
+    ("llama3.1-70b 2 slices dcn fsdp=2", SLICES_70B + ["dcn_fsdp_parallelism=2"], 47.68),
 ]
 # MaxText places an 8 x 8 mesh on the 4x4x4 torus only when told it may split a torus dimension.
 MAXTEXT_AOT_EXTRA = {"mixtral-8x7b expert=8": ["allow_split_physical_axes=true"],
                      "llama2-7b int8": ["use_qwix_quantization=true"],
-                     "llama2-7b fp8_full": ["use_qwix_quantization=true"]}
+                     "llama2-7b fp8_full": ["use_qwix_quantization=true"],
+                     # MaxText's stage runs 1 layer per visit by default (circular); 40 is GPipe's
+                     "llama3.1-70b 2 slices GPipe": ["num_layers_per_pipeline_stage=40"]}
+# Where the issue's MaxText figure is not a plan that fits: printed instead of the figure.
+AOT_ISSUE_NOTE = {"llama3.1-70b 2 slices GPipe": "> 97.23 (temporaries alone: does not fit)"}
 # The plain command: the platform defaults choose bfloat16, splash attention and the loss and MLP chunks.
 AOT_COMMON = ["compile_topology=v5p-128", "per_device_batch_size=4"]
 
@@ -153,8 +176,15 @@ with mesh_lib.activate(mesh, t.rules):
 tflops = metrics.train_flops_per_step(c) / c.num_devices / sec / 1e12
 # Every FLOP the step executes, remat recompute included: XLA's count for the same step unrolled (it
 # counts a scanned body once), before partitioning (so the whole job's: divided by the devices).
-unrolled = step_lib.build(c.replace(scan_layers=False), mesh)
-with mesh_lib.activate(mesh, unrolled.rules):
+# A pipeline runs only a scanned stack: its count is the same model's without the pipeline (the stages
+# folded into fsdp), so the bubble's idle work is not in it.
+flat = c
+if c.get("ici_pipeline_parallelism", 1) > 1:
+    flat = train.load_config(sys.argv[2:] + ["ici_pipeline_parallelism=1", "num_pipeline_microbatches=-1",
+                                             "ici_fsdp_parallelism=-1"])
+flat_mesh = mesh_lib.make_mesh(flat)
+unrolled = step_lib.build(flat.replace(scan_layers=False), flat_mesh)
+with mesh_lib.activate(flat_mesh, unrolled.rules):
     cost = unrolled.train_step.lower(unrolled.abstract_state, unrolled.abstract_batch()).cost_analysis()
 executed = (cost[0] if isinstance(cost, list) else cost)["flops"] / c.num_devices
 print(json.dumps({"seconds": sec, "tokens_per_second": c.global_batch_size * c.max_target_length / sec,
@@ -275,7 +305,7 @@ def spread(seconds, digits=1, unit=" s"):
 
 
 def aot_gib(overrides, extra):
-    proc = subprocess.run([sys.executable, "-m", "maxtrain.compile", BASE, *AOT_COMMON, *overrides, *extra],
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.compile", BASE, *merge_keys(AOT_COMMON, overrides, extra)],
                           capture_output=True, text=True, cwd=REPO)
     m = re.search(r"total ([0-9.]+) GiB", proc.stdout)
     if not m:
@@ -293,9 +323,9 @@ def maxtext_aot_gib(python, overrides):
         return float("nan"), f"no maxtext in {python}"
     library = os.environ.get("TPU_LIBRARY_PATH") or os.path.join(os.path.dirname(libtpu.__file__), "libtpu.so")
     env = {**os.environ, "TPU_LIBRARY_PATH": library, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", base_yml, *AOT_COMMON,
-                           "override_model_config=true", "compile_topology_num_slices=1", "remat_policy=full",
-                           *overrides], capture_output=True, text=True, cwd=REPO, env=env)
+    proc = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", base_yml, *merge_keys(
+        AOT_COMMON, ["override_model_config=true", "compile_topology_num_slices=1", "remat_policy=full"], overrides)],
+        capture_output=True, text=True, cwd=REPO, env=env)
     stats = {k: int(v) for k, v in re.findall(r"(\w+_size_in_bytes)=(\d+)", proc.stdout + proc.stderr)}
     if "temp_size_in_bytes" not in stats:
         return float("nan"), (proc.stderr.strip().splitlines() or ["failed"])[-1]
@@ -308,7 +338,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-aot", action="store_true")
-    parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    parser.add_argument("--rows", default="", help="comma-separated row names (default: all; the AOT rows "
+                        "all unless some are named)")
     parser.add_argument("--rounds", type=int, default=1, help="run each CPU row N times; print median (range)")
     parser.add_argument("--startup-runs", type=int, default=1, help="repeat the startup rows; print median (range)")
     parser.add_argument("--maxtext", metavar="PYTHON", help="also run MaxText on each CPU row, with this interpreter")
@@ -373,9 +404,12 @@ def main():
     here = " MaxText GiB here | detail | ratio here |" if args.maxtext else ""
     print(f"| per chip | maxtrain GiB | detail | MaxText GiB (issue) | ratio |{here}\n|---|---|---|---|---|"
           + "---|---|---|" * bool(args.maxtext))
-    for name, overrides, mt_gib in AOT:
+    named = [row for row in AOT if wanted and row[0] in wanted]  # --rows naming AOT rows: only those
+    for name, overrides, mt_gib in named or AOT:
         gib, detail = aot_gib(overrides, extra)
         issue = "- | -" if math.isnan(mt_gib) else f"{mt_gib:.2f} | {less(gib, mt_gib)}"  # no issue figure
+        if name in AOT_ISSUE_NOTE:
+            issue = f"{AOT_ISSUE_NOTE[name]} | " + (f"at least {less(gib, mt_gib)}" if gib <= mt_gib else "-")
         row = f"| {name} | {gib:.2f} | {detail} | {issue} |"
         if args.maxtext:
             mt_here, mt_detail = maxtext_aot_gib(args.maxtext, overrides + MAXTEXT_AOT_EXTRA.get(name, []))

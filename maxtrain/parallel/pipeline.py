@@ -104,6 +104,22 @@ def _inner_rules() -> tuple:
     return tuple(out)
 
 
+def _iteration_policy(remat_policy):
+    """What an iteration keeps for its backward pass: what the layers' remat policy keeps (remat none:
+    every tagged activation), never the chunk of weights it selected. Inside this checkpoint the layers'
+    own checkpoint follows this policy, not its own (JAX applies the outermost), so it must be the
+    layers' one: saving every tagged activation would keep each layer's attention and MLP activations
+    for every iteration under remat full."""
+    if remat_policy is None:
+        return jax.checkpoint_policies.save_any_names_but_these(_WEIGHTS)
+
+    def policy(prim, *args, **params):
+        if prim.name == "name" and params.get("name") == _WEIGHTS:
+            return False
+        return remat_policy(prim, *args, **params)
+    return policy
+
+
 def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, schedule: Schedule,
         remat_policy=None):
     """The stack's output [B,L,D] and each layer's records (stacked [layers, ...] in storage order, the
@@ -171,11 +187,10 @@ def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, sch
         records = jax.tree.map(add, records, rec_S)
         return (shifted, stream, records), None
 
-    body = jax.checkpoint(iteration, policy=jax.checkpoint_policies.save_any_names_but_these(_WEIGHTS),
-                          prevent_cse=False)
+    body = jax.checkpoint(iteration, policy=_iteration_policy(remat_policy), prevent_cse=False)
     (_, stream, records), _ = jax.lax.scan(body, (state, stream, records), jnp.arange(schedule.iterations))
     out_MxbxLxD = stream[0]
-    out_BxLxD = out_MxbxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape)
+    out_BxLxD = rules_lib.constrain(out_MxbxLxD.swapaxes(0, 1).reshape(x_BxLxD.shape), ("batch", "length", "embed"))
     records = jax.tree.map(lambda r: (r / M).reshape(layers, *r.shape[3:]), records)
     return out_BxLxD, records
 
