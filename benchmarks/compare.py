@@ -6,12 +6,14 @@
 Each CPU row runs in its own subprocess (fake device counts differ), one after another, with synthetic
 data: s/step is the mean over `--steps` steps after two warm-up steps; MFU is model FLOPs per second
 (remat recompute not counted) over the float32 matmul peak measured in the same subprocess; in
-parentheses, the same for every FLOP the step executes (XLA's count, recompute included). "1.2x needs"
+parentheses, the same for every FLOP the step executes (XLA's count, recompute included; for a pipelined
+row the same model's without the pipeline, so the bubble shows in both). "1.2x needs"
 is what 1.2x the issue's MaxText tokens/s would take of that peak, on both counts. With
 `--rounds N` each row runs N times (alternating with MaxText's run, with --maxtext): s/step is the
 median, with the range; tokens/s, MFU and the peaks come from the median run (the lower middle one
 for an even N). The AOT
-rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra). MaxText's figures from the
+rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra); `--rows` naming some of them
+runs only those. MaxText's figures from the
 issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted; with
 --maxtext, MaxText's own train_compile also runs each AOT row, on maxtrain's libtpu ("here"; both
 sides on another one with TPU_LIBRARY_PATH=.../libtpu.so).
@@ -41,84 +43,12 @@ import tempfile
 import time
 from pathlib import Path
 
+# the tables: what is measured (benchmarks/ is on the path: compare.py runs as a script, or ab.py imports it)
+from compare_rows import (AOT, AOT_COMMON, AOT_ISSUE_NOTE, MAXTEXT_AOT_EXTRA, MAXTEXT_ARGS, MAXTEXT_ROW_KEYS, ROWS,
+                          SMALL)
+
 REPO = Path(__file__).parent.parent
 BASE = str(REPO / "configs" / "base.yml")
-SMALL = ["base_num_decoder_layers=4", "base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4",
-         "head_dim=64", "base_mlp_dim=1024", "max_target_length=256", "vocab_size=32000",
-         "dtype=bfloat16", "weight_dtype=float32", "remat_policy=full", "scan_layers=true",
-         "logits_dot_in_fp32=false"]  # as MaxText's runs: the logits matmul in the compute dtype
-MEDIUM = ["base_num_decoder_layers=8", "base_emb_dim=512", "base_num_query_heads=8", "base_num_kv_heads=8",
-          "head_dim=64", "base_mlp_dim=2048", "max_target_length=512", "vocab_size=32000",
-          "dtype=bfloat16", "weight_dtype=float32", "remat_policy=full", "scan_layers=true",
-          "logits_dot_in_fp32=false"]
-# Issue #26's tiny shape (character-level Shakespeare's: ~1.2M parameters, 12 x 64 tokens, vocab 384).
-# remat full as the other rows: MaxText 0.2.4 reads remat_policy=none as nn.remat with no policy, which
-# is full remat too.
-TINY = ["base_num_decoder_layers=4", "base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=4",
-        "head_dim=32", "base_mlp_dim=512", "max_target_length=64", "vocab_size=384", "dtype=bfloat16",
-        "weight_dtype=float32", "remat_policy=full", "scan_layers=true", "logits_dot_in_fp32=false"]
-# The small shape as a Mixtral-style MoE: 8 experts of the small MLP's width, top-2, the top-2 weights
-# renormalised (Mixtral's softmax over the chosen two), the same balancing-loss weight on both sides.
-MOE = SMALL + ["num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=1024", "load_balance_loss_weight=0.01",
-               "norm_topk_prob=true"]
-# Long context: the small model on 2048-token sequences, each split over 4 devices (context parallelism,
-# load-balanced on both sides, keys and values all-gathered: both frameworks' defaults), 2 sequences.
-CONTEXT = [x for x in SMALL if not x.startswith("max_target_length")] + ["max_target_length=2048",
-                                                                         "ici_context_parallelism=4"]
-# name, overrides, fake devices, global batch, MaxText s/step, MaxText tokens/s (None: the issue quotes none)
-ROWS = [
-    ("tiny", TINY, 1, 12, None, None),
-    ("tiny fsdp=2", TINY, 2, 12, None, None),
-    ("small", SMALL, 1, 4, 0.84, 1230),
-    ("small float32", SMALL + ["dtype=float32"], 1, 4, 1.12, 914),
-    ("small remat minimal", SMALL + ["remat_policy=minimal"], 1, 4, 0.84, 1228),
-    ("small fsdp=4", SMALL, 4, 4, 0.96, 1070),
-    ("medium", MEDIUM, 1, 4, 6.22, 331),
-    ("medium remat minimal", MEDIUM + ["remat_policy=minimal"], 1, 4, 5.53, 371),
-    ("moe 8x top-2", MOE, 1, 4, None, None),
-    ("context=4 2048", CONTEXT, 4, 2, None, None),
-]
-# MaxText's own keys for the same work (its model keys are the ones above): the llama2 block, synthetic
-# data, plain dot-product attention, nothing written.
-MAXTEXT_ARGS = ["hardware=cpu", "skip_jax_distributed_system=true", "model_name=default", "decoder_block=llama2",
-                "attention=dot_product", "dataset_type=synthetic", "enable_checkpointing=false",
-                "async_checkpointing=false", "enable_tensorboard=false", "jax_cache_dir=", "ici_fsdp_parallelism=-1"]
-# A row's MaxText keys where they differ from maxtrain's (key=value, over the row's and MAXTEXT_ARGS'; a key
-# with no value is dropped). The MoE row: MaxText's Mixtral block, whose router already takes the softmax over
-# the top-2 logits (so no norm_topk_prob). MaxText's Mixtral default is dropless sparse_matmul with the
-# megablox kernel, a Pallas kernel that off TPU runs in interpret mode; megablox=false keeps the dropless sparse
-# path on jax.lax.ragged_dot, which XLA:CPU runs (as a dense matmul per expert). That is MaxText's own dropless
-# MoE on CPU. sparse_matmul=false without a capacity factor is dropless too (every expert on every token, as
-# einsums) and on CPU the faster of the two: idle 2-core EPYC, runs minutes apart, 1.77-1.89 s/step against
-# ragged_dot's 2.2-2.5 (megablox interpreted: slower still); the ratio against it: 1.56-1.87x (2026-11-23).
-MAXTEXT_ROW_KEYS = {
-    "moe 8x top-2": ["decoder_block=mixtral", "norm_topk_prob", "sparse_matmul=true", "megablox=false",
-                     "capacity_factor=-1"],
-}
-AOT = [
-    ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
-    ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
-    # MaxText 0.2.4's own compile of its mixtral-8x7b, same settings (issue #23): arguments 8.16 + temporaries 15.54.
-    # MaxText's figures come from its own install's libtpu, 0.0.52 (the tpu extra's is 0.0.42): compare
-    # with TPU_LIBRARY_PATH naming 0.0.52's libtpu.so to run both sides on it.
-    ("mixtral-8x7b v5p-128", ["model_name=mixtral-8x7b", "max_target_length=4096"], 23.70),
-    # The same with the experts over 8 chips (each chip's experts take chunks of positions: the auto rule).
-    ("mixtral-8x7b expert=8", ["model_name=mixtral-8x7b", "max_target_length=4096", "ici_expert_parallelism=8",
-                               "ici_fsdp_parallelism=8"], 23.70),
-    # Quantized training (#24): the same llama2-7b row with int8 and fp8 matmuls (MaxText: its Qwix path).
-    ("llama2-7b int8", ["model_name=llama2-7b", "max_target_length=4096", "quantization=int8"], float("nan")),
-    ("llama2-7b fp8_full", ["model_name=llama2-7b", "max_target_length=4096", "quantization=fp8_full"],
-     float("nan")),
-    # Long context (#25): 4 sequences of 131,072 tokens, each over 16 chips; MaxText's figure: its own install.
-    ("llama3-8b 131072 context=16", ["model_name=llama3-8b", "max_target_length=131072", "ici_context_parallelism=16",
-                                     "ici_fsdp_parallelism=4", "per_device_batch_size=0.0625"], 8.84),
-]
-# MaxText places an 8 x 8 mesh on the 4x4x4 torus only when told it may split a torus dimension.
-MAXTEXT_AOT_EXTRA = {"mixtral-8x7b expert=8": ["allow_split_physical_axes=true"],
-                     "llama2-7b int8": ["use_qwix_quantization=true"],
-                     "llama2-7b fp8_full": ["use_qwix_quantization=true"]}
-# The plain command: the platform defaults choose bfloat16, splash attention and the loss and MLP chunks.
-AOT_COMMON = ["compile_topology=v5p-128", "per_device_batch_size=4"]
 
 WORKER = r"""
 import json, os, sys, time
@@ -153,8 +83,15 @@ with mesh_lib.activate(mesh, t.rules):
 tflops = metrics.train_flops_per_step(c) / c.num_devices / sec / 1e12
 # Every FLOP the step executes, remat recompute included: XLA's count for the same step unrolled (it
 # counts a scanned body once), before partitioning (so the whole job's: divided by the devices).
-unrolled = step_lib.build(c.replace(scan_layers=False), mesh)
-with mesh_lib.activate(mesh, unrolled.rules):
+# A pipeline runs only a scanned stack: its count is the same model's without the pipeline (the stages
+# folded into fsdp), so the bubble's idle work is not in it.
+flat = c
+if c.get("ici_pipeline_parallelism", 1) > 1:
+    flat = train.load_config(sys.argv[2:] + ["ici_pipeline_parallelism=1", "num_pipeline_microbatches=-1",
+                                             "ici_fsdp_parallelism=-1"])
+flat_mesh = mesh_lib.make_mesh(flat)
+unrolled = step_lib.build(flat.replace(scan_layers=False), flat_mesh)
+with mesh_lib.activate(flat_mesh, unrolled.rules):
     cost = unrolled.train_step.lower(unrolled.abstract_state, unrolled.abstract_batch()).cost_analysis()
 executed = (cost[0] if isinstance(cost, list) else cost)["flops"] / c.num_devices
 print(json.dumps({"seconds": sec, "tokens_per_second": c.global_batch_size * c.max_target_length / sec,
@@ -275,7 +212,7 @@ def spread(seconds, digits=1, unit=" s"):
 
 
 def aot_gib(overrides, extra):
-    proc = subprocess.run([sys.executable, "-m", "maxtrain.compile", BASE, *AOT_COMMON, *overrides, *extra],
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.compile", BASE, *merge_keys(AOT_COMMON, overrides, extra)],
                           capture_output=True, text=True, cwd=REPO)
     m = re.search(r"total ([0-9.]+) GiB", proc.stdout)
     if not m:
@@ -293,9 +230,9 @@ def maxtext_aot_gib(python, overrides):
         return float("nan"), f"no maxtext in {python}"
     library = os.environ.get("TPU_LIBRARY_PATH") or os.path.join(os.path.dirname(libtpu.__file__), "libtpu.so")
     env = {**os.environ, "TPU_LIBRARY_PATH": library, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", base_yml, *AOT_COMMON,
-                           "override_model_config=true", "compile_topology_num_slices=1", "remat_policy=full",
-                           *overrides], capture_output=True, text=True, cwd=REPO, env=env)
+    proc = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", base_yml, *merge_keys(
+        AOT_COMMON, ["override_model_config=true", "compile_topology_num_slices=1", "remat_policy=full"], overrides)],
+        capture_output=True, text=True, cwd=REPO, env=env)
     stats = {k: int(v) for k, v in re.findall(r"(\w+_size_in_bytes)=(\d+)", proc.stdout + proc.stderr)}
     if "temp_size_in_bytes" not in stats:
         return float("nan"), (proc.stderr.strip().splitlines() or ["failed"])[-1]
@@ -308,7 +245,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-aot", action="store_true")
-    parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    parser.add_argument("--rows", default="", help="comma-separated row names (default: all; the AOT rows "
+                        "all unless some are named)")
     parser.add_argument("--rounds", type=int, default=1, help="run each CPU row N times; print median (range)")
     parser.add_argument("--startup-runs", type=int, default=1, help="repeat the startup rows; print median (range)")
     parser.add_argument("--maxtext", metavar="PYTHON", help="also run MaxText on each CPU row, with this interpreter")
@@ -373,9 +311,12 @@ def main():
     here = " MaxText GiB here | detail | ratio here |" if args.maxtext else ""
     print(f"| per chip | maxtrain GiB | detail | MaxText GiB (issue) | ratio |{here}\n|---|---|---|---|---|"
           + "---|---|---|" * bool(args.maxtext))
-    for name, overrides, mt_gib in AOT:
+    named = [row for row in AOT if wanted and row[0] in wanted]  # --rows naming AOT rows: only those
+    for name, overrides, mt_gib in named or AOT:
         gib, detail = aot_gib(overrides, extra)
         issue = "- | -" if math.isnan(mt_gib) else f"{mt_gib:.2f} | {less(gib, mt_gib)}"  # no issue figure
+        if name in AOT_ISSUE_NOTE:
+            issue = f"{AOT_ISSUE_NOTE[name]} | " + (f"at least {less(gib, mt_gib)}" if gib <= mt_gib else "-")
         row = f"| {name} | {gib:.2f} | {detail} | {issue} |"
         if args.maxtext:
             mt_here, mt_detail = maxtext_aot_gib(args.maxtext, overrides + MAXTEXT_AOT_EXTRA.get(name, []))
