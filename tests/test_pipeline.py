@@ -206,10 +206,17 @@ def test_a_checkpoint_saved_on_2_stages_resumes_on_1_and_4(train_tiny, tmp_path)
     """Saved under the circular schedule (layers kept per stage in memory), the checkpoint holds the model's
     own layer order: one device and four stages resume it to the same next losses."""
     common = (*MODEL, "per_device_batch_size=2", "learning_rate_schedule_steps=6", "checkpoint_period=3")
-    straight = train_tiny(*common, "run_name=straight", "steps=6")["losses"]
+    straight = train_tiny(*common, "run_name=straight", "steps=6", "enable_checkpointing=true")["losses"]
     saved = train_tiny(*common, "run_name=a", "steps=3", "enable_checkpointing=true", "ici_pipeline_parallelism=2",
                        "ici_fsdp_parallelism=4", "num_pipeline_repeats=2", "num_pipeline_microbatches=4")
     np.testing.assert_allclose(saved["losses"], straight[:3], rtol=RTOL)
+    # the same arrays as the run without a pipeline saved (what export and generate read), layers in order
+    import orbax.checkpoint as ocp
+    pipelined, plain = (ocp.PyTreeCheckpointer().restore(tmp_path / run / "checkpoints" / "3" / "state")
+                        for run in ("a", "straight"))
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(pipelined), jax.tree.leaves(plain)):
+        # three Adam steps on float32 sums in another order: equal to 1e-4 of the largest entry
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * np.abs(y).max(), err_msg=jax.tree_util.keystr(path))
     for i, mesh in enumerate([("ici_fsdp_parallelism=8",),
                               ("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4")]):
         shutil.copytree(tmp_path / "a", tmp_path / f"a{i}")  # the same run, resumed on another mesh
@@ -264,3 +271,20 @@ def test_generate_runs_a_pipelined_run_layers_in_order(tiny_config):
     staged = tokens(jax.devices(), "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "per_device_batch_size=2",
                     "num_pipeline_microbatches=4", "num_pipeline_repeats=2")
     assert staged == tokens(jax.devices()[:1]) and len(staged) == 6
+
+
+@pytest.mark.slow
+def test_a_rollback_under_the_circular_schedule_equals_skipping_the_batches(train_tiny, monkeypatch, capsys):
+    """The rollback restores the newest checkpoint (the model's layer order) into the circular schedule's
+    order: from then on the run is the one that never saw the bad batches."""
+    from test_faults import Poisoned, Skipping, stream
+    args = (*MODEL, "per_device_batch_size=2", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
+            "num_pipeline_microbatches=4", "num_pipeline_repeats=2", "enable_checkpointing=true", "steps=8",
+            "checkpoint_period=3", "nan_policy=rollback", "learning_rate_schedule_steps=8")
+    stream(monkeypatch, Poisoned, [4])
+    rolled = train_tiny(*args, "run_name=rolled")
+    assert "rollback: step 5 was not finite" in capsys.readouterr().out
+    stream(monkeypatch, Skipping, [3, 4])
+    reference = train_tiny(*args, "run_name=reference")
+    assert len(rolled["losses"]) == 8
+    np.testing.assert_allclose(rolled["losses"], reference["losses"], rtol=RTOL)
