@@ -53,8 +53,8 @@ def generate(c: config_lib.Config, trainer: step_lib.Trainer, params, prompt_ids
     multiple = c.mesh_shape["context"] * (128 if c.attention == "splash" else 1)
     total = -(-total // multiple) * multiple
     args = trainer.model.args
-    # Decoding runs the layers in order on every device: the pipeline is a training schedule (the weights
-    # stay sharded over stage as trained; XLA gathers each layer's) and its checkpoints hold the model's order.
+    # Decoding runs the layers in order on every device: the pipeline is a training schedule (its checkpoints
+    # hold the model's order). The stack stays sharded over stage as trained: XLA gathers it whole.
     model = trainer.model.clone(args=dataclasses.replace(args, plan=dataclasses.replace(
         args.plan, context_load_balance=False, schedule=pipeline.Schedule())))
     # The batch axis is sharded over data x fsdp: give every batch shard a (identical) row.

@@ -153,15 +153,19 @@ def test_stage_meshes_match_single_device(train_tiny, single_device, mesh):
     np.testing.assert_allclose(result["losses"], single_device, rtol=RTOL)
 
 
+def a_batch(c):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, c.vocab_size, (16, c.max_target_length + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "positions": np.broadcast_to(np.arange(c.max_target_length), (16, c.max_target_length)).astype(np.int32),
+            "segment_ids": np.ones((16, c.max_target_length), np.int32),
+            "weights": np.ones((16, c.max_target_length), np.float32)}
+
+
 def one_step_gradients(c, devices):
     mesh = mesh_lib.make_mesh(c, devices)
     trainer = step_lib.build(c, mesh)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, c.vocab_size, (16, c.max_target_length + 1)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-             "positions": np.broadcast_to(np.arange(c.max_target_length), (16, c.max_target_length)).astype(np.int32),
-             "segment_ids": np.ones((16, c.max_target_length), np.int32),
-             "weights": np.ones((16, c.max_target_length), np.float32)}
+    batch = a_batch(c)
     with mesh_lib.activate(mesh, trainer.rules):
         state = trainer.init(jax.random.key(0))
         batch = jax.device_put(batch, trainer.batch_sharding)
@@ -288,3 +292,38 @@ def test_a_rollback_under_the_circular_schedule_equals_skipping_the_batches(trai
     reference = train_tiny(*args, "run_name=reference")
     assert len(rolled["losses"]) == 8
     np.testing.assert_allclose(rolled["losses"], reference["losses"], rtol=RTOL)
+
+
+def test_expert_load_is_reported_by_layer_under_the_circular_schedule(tiny_config):
+    """The MoE layers' records come in the circular schedule's order; the metrics name them by layer."""
+    def step_metrics(devices, *mesh):
+        c = tiny_config(*MODEL, *MOE, *mesh, devices=devices)
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            state = trainer.init(jax.random.key(0))
+            return jax.device_get(trainer.train_step(state, jax.device_put(a_batch(c), trainer.batch_sharding))[1])
+    one = step_metrics(jax.devices()[:1], "per_device_batch_size=16", "gradient_accumulation_steps=4")
+    staged = step_metrics(jax.devices(), "ici_pipeline_parallelism=2", "ici_expert_parallelism=4",
+                          "ici_fsdp_parallelism=1", "per_device_batch_size=2", "num_pipeline_microbatches=4",
+                          "num_pipeline_repeats=2")
+    assert staged["expert_load"].shape == (4, 8)
+    np.testing.assert_allclose(staged["expert_load"], one["expert_load"], atol=1e-6)
+    np.testing.assert_allclose(staged["loss"], one["loss"], rtol=RTOL)
+
+
+def test_quantization_rules_find_the_pipelined_mlp_in_training_and_in_generate():
+    import re
+    from maxtrain.models import decoder_spec
+    paths = decoder_spec.quantization_paths(load("ici_pipeline_parallelism=2", "quantization=int8"))
+    for path in ("mlp", "layers/mlp"):  # rooted at the layer in the pipeline; the stack's path in generate
+        assert re.fullmatch(paths["mlp"], path) and re.fullmatch(paths["attention"], path.replace("mlp", "attention"))
+    assert not re.fullmatch(paths["mlp"], "layers/attention")
+
+
+def test_rules_that_leave_the_stages_holding_every_layer_are_refused(tiny_config):
+    import yaml
+    rules = [r for r in config_lib.defaults()["logical_axis_rules"] if r[0] != "stage_layers"]
+    with pytest.raises(ConfigError) as e:
+        tiny_config(*MODEL, "ici_pipeline_parallelism=2", "per_device_batch_size=2",
+                    f"logical_axis_rules={yaml.safe_dump(rules, default_flow_style=True).strip()}")
+    assert e.value.key == "logical_axis_rules" and 'needs the rule ["stage_layers", "stage"]' in str(e.value)

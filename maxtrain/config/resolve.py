@@ -121,14 +121,19 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
     schedule = validate.pipeline_settings(c)
     micro = schedule["num_pipeline_microbatches"]
     if shape["stage"] > 1:  # each micro-batch runs on one stage's devices, split over their batch axes
-        inner = batch_shards // shape["stage"] if "stage" in rules_lib.mesh_axes(
-            c["logical_axis_rules"], ("batch",))[0] else batch_shards
+        rules = c["logical_axis_rules"]
+        batch_axes, layer_axes = (rules_lib.mesh_axes(rules, (name,))[0] for name in ("batch", "stage_layers"))
+        if layer_axes != ["stage"]:  # else every stage would hold (and gather) every layer
+            raise ConfigError("logical_axis_rules", "a pipeline needs the rule [\"stage_layers\", \"stage\"] "
+                              "(base.yml's): a stage holds only its own layers")
+        inner_axes = [a for a in batch_axes if a != "stage" and shape[a] > 1]
+        inner = math.prod(shape[a] for a in inner_axes)
         if global_batch % (accum * micro * inner):
             per = f" per accumulation step ({global_batch // accum})" if accum > 1 else ""
             raise ConfigError("num_pipeline_microbatches",
                               f"{micro} micro-batches of the global batch {global_batch}{per} do not each split "
-                              f"over a stage's {inner} batch shards (data x fsdp x expert): use fewer micro-batches "
-                              "or a larger per_device_batch_size")
+                              f"over a stage's {inner} batch shards ({' x '.join(inner_axes) or 'none'}): use fewer "
+                              "micro-batches or a larger per_device_batch_size")
     c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
              mesh_shape=shape, global_batch_size=global_batch, pipeline_microbatches=micro,
              pipeline_repeats=schedule["num_pipeline_repeats"])

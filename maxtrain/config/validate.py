@@ -147,7 +147,8 @@ def pipeline_settings(c: Mapping[str, Any]) -> dict[str, int]:
         raise ConfigError("scan_layers", "false cannot run a pipeline: its stages run a scanned stack's layers")
     what = f"the pipeline's {last.count} layers ({last.name})"
     if last.count % stages:
-        raise ConfigError("ici_pipeline_parallelism", f"{what} do not split into {stages} stages (ici x dcn)")
+        key = "ici_pipeline_parallelism" if c["ici_pipeline_parallelism"] > 1 else "dcn_pipeline_parallelism"
+        raise ConfigError(key, f"{what} do not split into {stages} stages (ici x dcn)")
     share = last.count // stages
     per, repeats = c["num_layers_per_pipeline_stage"], c["num_pipeline_repeats"]
     if per != -1 and share % per:
@@ -163,8 +164,8 @@ def pipeline_settings(c: Mapping[str, Any]) -> dict[str, int]:
         per = share // (1 if repeats == -1 else repeats)
     micro = stages if c["num_pipeline_microbatches"] == -1 else c["num_pipeline_microbatches"]
     if micro % stages:
-        raise ConfigError("num_pipeline_microbatches", f"{micro} is not a multiple of the {stages} stages: each "
-                          "stage needs a micro-batch at every step of the schedule")
+        raise ConfigError("num_pipeline_microbatches", f"{micro} is not a multiple of the {stages} stages: a "
+                          "micro-batch must be back from the last stage before the first stage takes it again")
     return {"num_pipeline_microbatches": micro, "num_layers_per_pipeline_stage": per,
             "num_pipeline_repeats": share // per}
 

@@ -79,7 +79,8 @@ def quantization_paths(c) -> dict[str, str]:
     dense: list[str] = []
     for s in stacks:
         if not s.moe:
-            prefix = "" if pipelined and s is stacks[-1] else f"{s.name}/"
+            # pipelined: rooted at the layer in training, the stack's path in generate (which runs it in order)
+            prefix = f"(?:{s.name}/)?" if pipelined and s is stacks[-1] else f"{s.name}/"
             dense += [prefix] if c["scan_layers"] else [f"{stacks_lib.unrolled(i)}/" for i in s.layers]
     shared = [r"([^/]+/)?mlp/shared"] if c["num_experts"] > 1 else []
     paths["mlp"] = "|".join([f"{prefix}mlp" for prefix in dense] + shared)

@@ -158,6 +158,8 @@ def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, sch
     mean over micro-batches), running `layer_fn(layer_params, x, positions, segment_ids) -> (x, records)`
     over `params` (leaves [layers, ...] in storage order) as `schedule` says."""
     S, R, M = schedule.stages, schedule.repeats, schedule.microbatches
+    # a micro-batch must be back from the last stage before stage 0 takes it again (config checks this)
+    assert R == 1 or M >= S, schedule
     layers = jax.tree.leaves(params)[0].shape[0]
     per_chunk = layers // (S * R)
     inner = _inner_rules()
@@ -193,7 +195,8 @@ def run(layer_fn: Callable, params, x_BxLxD, positions_BxL, segment_ids_BxL, sch
     seg_MxbxL = constrain(micro(segment_ids_BxL), jax.sharding.PartitionSpec(*micro_spec[:3]))
 
     stage_ids = jnp.arange(S)
-    # The stream: stage 0's inputs (slot s > 0 unused: each stage keeps its own, local)
+    # The stream: stage 0's inputs and the last stage's outputs (every stage writes its own slot, locally;
+    # only stage 0's is read)
     stream = constrain(jnp.broadcast_to(xs_MxbxLxD, (S, *xs_MxbxLxD.shape)), stream_spec)
     state = constrain(jnp.zeros((S, *xs_MxbxLxD.shape[1:]), x_BxLxD.dtype), act_spec)
     records_shape = jax.eval_shape(lambda: stage_fn(jax.tree.map(lambda w: w[0, 0], weights), xs_MxbxLxD[0],

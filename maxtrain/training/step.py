@@ -15,6 +15,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -95,7 +96,7 @@ class Trainer:
     notes: list[str] = dataclasses.field(default_factory=list)  # for the log: the pipeline, uneven dimensions
     # A state (or params) between the run's layer order and the model's, which checkpoints hold: the
     # circular pipeline keeps each stage's layers together (pipeline.storage_order); else the identity.
-    to_saved: Callable[[Any], Any] = lambda tree: tree
+    to_saved: Callable[[Any], Any] = lambda tree: tree  # noqa: E731 (the identity)
     to_run: Callable[[Any], Any] = lambda tree: tree
 
     def abstract_batch(self) -> dict:
@@ -119,7 +120,7 @@ def build(c: Config, mesh) -> Trainer:
     rules = rules_lib.axis_rules(c)
     dummy_tokens = jnp.zeros((1, c.max_target_length), jnp.int32)
 
-    to_run_order, to_model_order = _layer_orders(c, model)
+    to_run_order, to_model_order = _layer_orders(model)
 
     def init_state(rng) -> TrainState:
         params = to_run_order(nn.meta.unbox(model.init(rng, dummy_tokens)["params"]))
@@ -177,7 +178,7 @@ def _same(tree):
     return tree
 
 
-def _layer_orders(c: Config, model) -> tuple[Callable, Callable]:
+def _layer_orders(model) -> tuple[Callable, Callable]:
     """(model order -> the run's, the run's -> model order) for params or a state: the circular
     pipeline's storage order of its stack, else the identity both ways."""
     schedule = model.args.plan.schedule
@@ -195,6 +196,13 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
                                 loss_chunk_size=c.loss_chunk_size,
                                 moe_weights=(c.load_balance_loss_weight, c.router_z_loss_weight))
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, *batch_sharding.spec))
+    pipelined = model.args.plan.schedule
+    if pipelined.repeats > 1:  # the MoE stack's records come in the circular schedule's order: metrics by layer
+        count = model.args.stacks()[-1][1]
+        back = np.argsort(pipeline.storage_order(count, pipelined.stages, pipelined.repeats))
+        layer_order = lambda per_layer: per_layer[back]  # noqa: E731
+    else:
+        layer_order = _same
 
     def micro_batches(batch):
         # Row r goes to micro-batch r % accum, so every device holds a slice of every micro-batch.
@@ -235,7 +243,7 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
                    "tokens": aux["tokens"], "nonfinite": 1.0 - finite.astype(jnp.float32)}
         if moe_layers is not None:  # per MoE layer, each expert's share of the routed assignments
             metrics |= {k: v / tokens for k, v in aux.items() if k.startswith("moe_")}
-            metrics["expert_load"] = moe.collect(moe_layers, "expert_load")
+            metrics["expert_load"] = layer_order(moe.collect(moe_layers, "expert_load"))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step
