@@ -113,12 +113,8 @@ def to_model_order(tree, names: set[str], layers: int, schedule: Schedule):
 
 def _inner_rules() -> tuple:
     """The rules in scope without the stage axis: inside a stage, the pipeline owns it."""
-    out = []
-    for name, target in nn.get_logical_axis_rules():
-        axes = [] if target is None else [target] if isinstance(target, str) else list(target)
-        kept = [a for a in axes if a != STAGE]
-        out.append((name, tuple(kept) if len(kept) != 1 else kept[0]) if kept else (name, None))
-    return tuple(out)
+    return tuple((name, tuple(a for a in rules_lib.as_list(target) if a != STAGE) or None)
+                 for name, target in nn.get_logical_axis_rules())
 
 
 def _as_outside_the_vmap(policy):

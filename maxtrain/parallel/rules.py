@@ -20,7 +20,7 @@ def axis_rules(config) -> tuple:
     return tuple((name, tuple(t) if isinstance(t, list) else t) for name, t in config["logical_axis_rules"])
 
 
-def _as_list(target) -> list[str]:
+def as_list(target) -> list[str]:
     return [] if target is None else [target] if isinstance(target, str) else list(target)
 
 
@@ -43,7 +43,7 @@ def mesh_axes(rules, names: tuple, shape=None, mesh_shape=None) -> list[list[str
     tuples); with `shape` and `mesh_shape`, only those that split each dimension evenly."""
     result: list[list[str] | None] = [None] * len(names)
     for name, target in rules:
-        axes = _as_list(target)
+        axes = as_list(target)
         if name in names and result[names.index(name)] is None and not any(
                 a in used for used in result if used for a in axes):
             result[names.index(name)] = axes

@@ -96,7 +96,7 @@ class Trainer:
     notes: list[str] = dataclasses.field(default_factory=list)  # for the log: the pipeline, uneven dimensions
     # A state (or params) between the run's layer order and the model's, which checkpoints hold: the
     # circular pipeline keeps each stage's layers together (pipeline.storage_order); else the identity.
-    to_saved: Callable[[Any], Any] = lambda tree: tree  # noqa: E731 (the identity)
+    to_saved: Callable[[Any], Any] = lambda tree: tree  # noqa: E731 (the identity: _same, defined below)
     to_run: Callable[[Any], Any] = lambda tree: tree
 
     def abstract_batch(self) -> dict:
