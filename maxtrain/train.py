@@ -31,6 +31,7 @@ from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain.runtime.startup import load_config, say
 from maxtrain.training.loop import TrainLoop
+from maxtrain.training.samples import Samples
 
 
 def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
@@ -60,6 +61,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     fit.check_state(trainer)  # before init allocates it
     # Read data files and tokenizer before writing anything: bad input fails cleanly.
     batches, make_eval_iterator = data.make_iterators(c, trainer.batch_sharding)
+    samples = Samples(c, trainer) if c.sample_interval else None
     run_dir, created = run_dir_lib.make(c)
     say(run_record.start_lines(c, run_dir))
     # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored.
@@ -67,7 +69,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     say("compiling the train step (in the background while the state is made)")
     compiling = compiler.submit(progress.timed, trainer.compile_train_step)
     compiler.shutdown(wait=False)
-    return TrainLoop(c, trainer, batches, make_eval_iterator, run_dir, created, compiling, t_compile).run()
+    return TrainLoop(c, trainer, batches, make_eval_iterator, run_dir, created, compiling, t_compile, samples).run()
 
 
 USAGE = """usage: python -m maxtrain.train CONFIG.yml [key=value ...]

@@ -26,7 +26,7 @@ MODEL_KEYS = (
     "routed_bias",
 )
 # Keys that name files or directories: each may be a local path or a URL (maxtrain.runtime.storage).
-PATH_KEYS = ("base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
+PATH_KEYS = ("prompt_file", "base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
              "load_parameters_path")
 # Training settings a model carries with it (a preset, an HF config.json, a checkpoint's description: HF's
 # router_aux_loss_coef), which a fine-tune may change: never part of the model's shape.
@@ -54,6 +54,7 @@ POSITIVE_INTS = (
     "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
     "distributed_heartbeat_timeout_seconds", "max_new_tokens", "profiler_start_step", "profiler_steps",
     "num_experts", "num_experts_per_tok", "ici_pipeline_parallelism", "dcn_pipeline_parallelism",
+    "generate_batch_size",
 )
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
 METRICS_BACKENDS = ("tensorboard", "jsonl", "wandb")

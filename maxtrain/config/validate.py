@@ -111,6 +111,20 @@ def validate(c: dict[str, Any]) -> None:
     _validate_prompt_ids(c["prompt_ids"], c["vocab_size"])
     if c["top_k"] > c["vocab_size"]:
         raise ConfigError("top_k", f"{c['top_k']} exceeds vocab_size={c['vocab_size']}")
+    _validate_sampling(c)
+
+
+def _validate_sampling(c: dict[str, Any]) -> None:
+    if not 0 < c["top_p"] <= 1:
+        raise ConfigError("top_p", f"must be in (0, 1] (1 = off), got {c['top_p']}")
+    if c["sample_interval"] < 0:
+        raise ConfigError("sample_interval", "must be >= 0 (0 = never)")
+    prompts = c["sample_prompts"]
+    if not all(isinstance(p, str) and p for p in prompts):
+        raise ConfigError("sample_prompts", f"must be a list of non-empty strings, e.g. '[\"ROMEO:\"]', got {prompts!r}")
+    if c["sample_interval"] and not prompts:
+        raise ConfigError("sample_prompts", "sample_interval needs prompts to continue, e.g. "
+                          "sample_prompts='[\"ROMEO:\"]'")
 
 
 def _validate_moe(c: dict[str, Any]) -> None:

@@ -21,7 +21,8 @@ class Attention(nn.Module):
     args: ModelArgs
 
     @nn.compact
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None):
+        """(output [B,L,D], `cache` with this call's keys and values written; None in training)."""
         a = self.args
         wq_DxHxK = dense_weight(self, "wq", (a.embed, a.heads, a.head_dim), ("embed", "heads", "head_dim"))
         wk_DxNxK = dense_weight(self, "wk", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"))
@@ -46,7 +47,11 @@ class Attention(nn.Module):
                               ("batch", "length", "kv_heads", "head_dim"))
         v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-        ctx_BxLxHxK = a.plan.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+        if cache is None:
+            ctx_BxLxHxK = a.plan.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+        else:  # decoding: a layer's view of the KV cache (maxtrain.infer.kv_cache) writes and attends
+            ctx_BxLxHxK, cache = cache.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
+                                              a.plan.attend)
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)
-        return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT)
+        return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT), cache
 

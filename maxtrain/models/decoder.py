@@ -28,25 +28,28 @@ class DecoderLayer(nn.Module):
     moe: bool = False  # the MLP is a mixture of experts
 
     @nn.compact
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None):
         axes = ("batch", "length", "embed")
         x_BxLxD = constrain(x_BxLxD, axes)
-        h = Attention(self.args, name="attention")(RMSNorm(self.args, name="attention_norm")(x_BxLxD),
-                                                   positions_BxL, segment_ids_BxL)
+        h, cache = Attention(self.args, name="attention")(RMSNorm(self.args, name="attention_norm")(x_BxLxD),
+                                                          positions_BxL, segment_ids_BxL, cache)
         x_BxLxD = constrain(x_BxLxD + h, axes)
         mlp = moe.MoEBlock(self.args, name="mlp") if self.moe else MLP(self.args, name="mlp")
         h = mlp(RMSNorm(self.args, name="mlp_norm")(x_BxLxD))
-        return constrain(x_BxLxD + h, axes), None  # (carry, per-layer output) for nn.scan
+        return constrain(x_BxLxD + h, axes), cache  # (carry, per-layer output) for nn.scan; cache: decoding
 
 
 class Decoder(nn.Module):
     args: ModelArgs
 
     @nn.compact
-    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, return_hidden=False):
+    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, return_hidden=False, cache=None):
         """Logits [B,L,V] in float32; with return_hidden, (final hidden [B,L,D], output matrix [D,V] in
-        its stored dtype) so the loss can form the logits chunk by chunk."""
+        its stored dtype) so the loss can form the logits chunk by chunk. With a KV cache
+        (maxtrain.infer.kv_cache; unrolled layers only), (that, the cache with these tokens written)."""
         a = self.args
+        if cache is not None and a.scan_layers:
+            raise ValueError("decoding with a KV cache runs unrolled layers: maxtrain.infer unstacks them")
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
         if segment_ids_BxL is None:
@@ -57,7 +60,7 @@ class Decoder(nn.Module):
         x_BxLxD = a.plan.embed(embedding_VxD, tokens_BxL, a.dtype)
 
         layer = a.plan.remat(DecoderLayer, a.scan_layers)
-        first, stacks = 0, a.stacks()
+        first, stacks, layer_caches = 0, a.stacks(), []
         for index, (name, count, is_moe) in enumerate(stacks):
             pipelined = a.plan.pipelines(index, len(stacks))
             if a.scan_layers:  # intermediates: MoE layers record their load and auxiliary losses
@@ -74,7 +77,9 @@ class Decoder(nn.Module):
                     x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL)
             else:
                 for i in range(first, first + count):
-                    x_BxLxD, _ = layer(a, is_moe, name=stacks_lib.unrolled(i))(x_BxLxD, positions_BxL, segment_ids_BxL)
+                    x_BxLxD, written = layer(a, is_moe, name=stacks_lib.unrolled(i))(
+                        x_BxLxD, positions_BxL, segment_ids_BxL, None if cache is None else cache.layer(i))
+                    layer_caches.append(written)
             first += count
 
         x_BxLxD = RMSNorm(a, name="final_norm")(x_BxLxD)
@@ -83,9 +88,11 @@ class Decoder(nn.Module):
         else:
             out_DxV = dense_weight(self, "output", (a.embed, a.padded_vocab), ("embed", "vocab"), stored_dtype=True)
         if return_hidden:  # the output matrix padded: see mask_padding
-            return x_BxLxD, out_DxV
-        logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32)[..., :a.vocab]
-        return constrain(logits_BxLxV, ("batch", "length", "vocab"))
+            result = x_BxLxD, out_DxV
+        else:
+            logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32)[..., :a.vocab]
+            result = constrain(logits_BxLxV, ("batch", "length", "vocab"))
+        return result if cache is None else (result, cache.written(layer_caches, tokens_BxL.shape[1]))
 
 
 def apply_layer(args: ModelArgs, is_moe: bool, params, x_BxLxD, positions_BxL, segment_ids_BxL):

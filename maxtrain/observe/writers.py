@@ -252,6 +252,29 @@ class MetricsWriter:
         if self._wandb:
             self._wandb.write(step, flat)
 
+    def write_samples(self, step: int, samples: list[dict[str, str]]) -> None:
+        """Sampled continuations ({"prompt", "text"} each): a metrics.jsonl line, tensorboard's text tab,
+        a W&B table."""
+        if not self.active:
+            return
+        try:
+            if self._jsonl:
+                self._at = self._jsonl.name
+                self._jsonl.write(json.dumps({"step": step, "samples": samples}) + "\n")
+                self._jsonl.flush()
+            if self._tb:
+                self._at = self._tb.path
+                rows = "\n".join(f"| {_cell(x['prompt'])} | {_cell(x['text'])} |" for x in samples)
+                self._tb.add_text("samples", "| prompt | continuation |\n|---|---|\n" + rows, step)
+                self._tb.flush()
+        except OSError as e:
+            self.abandon()
+            raise MetricsError(f"step {step}: writing {self._at} failed: {_os_error(e)}") from None
+        if self._wandb:
+            table = self._wandb._wandb.Table(columns=["prompt", "continuation"],
+                                             data=[[x["prompt"], x["text"]] for x in samples])
+            self._wandb.write(step, {"samples": table})
+
     def _close_files(self) -> None:
         try:
             for f in (self._jsonl, self._tb):
@@ -285,6 +308,11 @@ class MetricsWriter:
                 wandb_run.close(exit_code=1)
             except Exception:  # the run is already stopping for the error at hand
                 pass
+
+
+def _cell(text: str) -> str:
+    """Text in one cell of a markdown table."""
+    return text.replace("|", "\\|").replace("\n", "<br>")
 
 
 def _drop_steps_after(path: Path, step: int) -> None:

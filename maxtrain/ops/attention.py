@@ -9,6 +9,9 @@ segment ids [B,L], apply causal + same-document masking, and return [B,L,H,K].
 - splash: the Pallas splash-attention kernel (TPU): blockwise, never materializes the scores. On other
   backends it runs in Pallas interpret mode, which is for tests only.
 
+Decoding (maxtrain.infer) prefills through these and then attends one position at a time against the
+KV cache with `against_cache`, a plain dot product over every slot of the cache.
+
 None of them knows the mesh: splash run per shard and context parallelism (every kernel but splash gives
 way to it when the `length` axis is split) are in maxtrain.parallel.context; the plan chooses.
 """
@@ -111,6 +114,22 @@ def attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks):
                    mask) for start, stop, mask in blocks]
     ctx_BxNxGxLxK = jnp.concatenate(ctx, axis=3)
     return ctx_BxNxGxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
+
+
+def against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS):
+    """Queries [B,L,H,K] against a KV cache whose R = B x N rows are (sequence, kv head) pairs, each of
+    S slots (maxtrain.infer.kv_cache); mask [B,L,S]: the slots each query sees. Every slot is scored, so
+    one compiled program serves every position; scores and softmax in float32, as in training."""
+    b, length, h, k = q_BxLxHxK.shape
+    r, s, _ = keys_RxSxK.shape
+    n = r // b
+    q_RxQxK = q_BxLxHxK.reshape(b, length, n, h // n, k).transpose(0, 2, 3, 1, 4).reshape(r, -1, k)  # Q = G x L
+    scores_RxQxS = jnp.einsum("rqk,rsk->rqs", q_RxQxK, keys_RxSxK, preferred_element_type=jnp.float32) * k ** -0.5
+    scores_BxNxGxLxS = scores_RxQxS.reshape(b, n, h // n, length, s)
+    scores_BxNxGxLxS = jnp.where(mask_BxLxS[:, None, None], scores_BxNxGxLxS, -1e30)
+    probs_RxQxS = jax.nn.softmax(scores_BxNxGxLxS, axis=-1).astype(values_RxSxK.dtype).reshape(r, -1, s)
+    out_RxQxK = jnp.einsum("rqs,rsk->rqk", probs_RxQxS, values_RxSxK)
+    return out_RxQxK.reshape(b, n, h // n, length, k).transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
 
 
 def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):

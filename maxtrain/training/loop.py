@@ -30,11 +30,13 @@ from maxtrain.training.state import initial_state
 class TrainLoop:
     """One run of `c` with `trainer` from its newest checkpoint (or its start) to steps, the data's end or a
     stop request. `created`: the run directory is this start's, and is removed if a failure leaves it unused.
-    `compiling`: the train step being compiled (a future of (executable, seconds)) since `t_compile`."""
+    `compiling`: the train step being compiled (a future of (executable, seconds)) since `t_compile`.
+    `samples`: continuations to print and log every sample_interval steps (maxtrain.training.samples), or None."""
 
     def __init__(self, c: config_lib.Config, trainer: step_lib.Trainer, batches, make_eval_iterator, run_dir,
-                 created: bool, compiling, t_compile: float):
+                 created: bool, compiling, t_compile: float, samples=None):
         self.c, self.trainer, self.batches, self.make_eval_iterator = c, trainer, batches, make_eval_iterator
+        self.samples = samples
         self.run_dir, self.created, self.compiling, self.t_compile = run_dir, created, compiling, t_compile
         self.tokens_per_step = c.global_batch_size * c.max_target_length
         self.flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
@@ -138,6 +140,8 @@ class TrainLoop:
                 continue
             if must_eval:
                 self.evaluate(step)
+            if self.samples is not None and self.samples.due(step):
+                self.sample(step)
             if self.preempted:
                 break
         if pending is not None and self.read(*pending) == "rollback":
@@ -204,6 +208,15 @@ class TrainLoop:
         self.eval_history.append(e["loss"])
         say(metrics_lib.format_eval_line(step_done, c.steps, e, time.perf_counter() - t0, self.eta(step_done)))
         self.writer.write(step_done, e, prefix="eval")
+
+    def sample(self, step_done: int) -> None:
+        t0 = time.perf_counter()
+        with progress.heartbeat(f"sampling at {metrics_lib.step_of(step_done, self.c.steps)}"):
+            samples = self.samples.sample(self.state.params)
+        self.last_time += time.perf_counter() - t0  # keep sampling out of the step-time window
+        for x in samples:
+            say(f"sample at step {step_done}: {x['prompt']!r} -> {x['text']!r}")
+        self.writer.write_samples(step_done, samples)
 
     def roll_back(self, bad_step: int) -> int:
         """The newest checkpoint (or the start), then past the batches from it up to `bad_step`. Returns the

@@ -1,0 +1,108 @@
+"""The KV cache: every layer's keys and values of the sequences being decoded, written once per position.
+
+Layout. Each layer holds keys and values as [R, S, K]: R = B x N rows, one per (sequence, kv head) pair,
+S slots, K the head dim; the cache is in the compute dtype. Rows rather than [B, N, S, K] because
+XLA:CPU updates the cache in place and feeds it to the attention matmul only when the matmul takes the
+updated array as it is: with one sequence, [1, N, S, K] needs a reshape between them and XLA copied the
+whole cache twice per layer and step (benchmarks/README.md, "Decoding"). The rows split over the batch's
+mesh axes and then the kv heads' (together, exactly as the two dimensions would split), the slots over
+the rules' `cache_length` axes (none by default: each device of a batch shard holds every slot), the
+head dim as `head_dim`.
+
+Memory: 2 (keys and values) x N x K x bytes per element, per slot, per layer, per sequence.
+
+Left padding. Prompts end at the same slot: sequence b fills slots start_b .. P-1, so every decode step
+writes all sequences at one slot (`index`), and the position of slot j in sequence b is j - start_b.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from maxtrain.ops.attention import against_cache
+from maxtrain.parallel.rules import active_axes, active_mesh
+
+AXES = ("batch", "cache_length", "kv_heads", "head_dim")  # the logical axes of a layer's keys or values
+
+
+def bytes_per_slot(kv_heads: int, head_dim: int, dtype) -> int:
+    """One layer's cache for one position of one sequence: keys and values."""
+    return 2 * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def _constrain(x_RxSxK, batch: int, kv_heads: int):
+    """The rows split as (batch, kv_heads) would, the slots and head dim as the rules say."""
+    if active_mesh() is None:
+        return x_RxSxK
+    b, s, n, k = active_axes(AXES, (batch, x_RxSxK.shape[1], kv_heads, x_RxSxK.shape[2]))
+    spec = PartitionSpec(b + n or None, s or None, k or None)
+    return jax.lax.with_sharding_constraint(x_RxSxK, spec)
+
+
+def _write(cache_RxSxK, new_BxLxNxK, index):
+    """The new keys (or values) in their rows at slots index .. index + L - 1."""
+    b, length, n, k = new_BxLxNxK.shape
+    rows_RxLxK = new_BxLxNxK.transpose(0, 2, 1, 3).reshape(b * n, length, k).astype(cache_RxSxK.dtype)
+    return _constrain(jax.lax.dynamic_update_slice_in_dim(cache_RxSxK, rows_RxLxK, index, axis=1), b, n)
+
+
+@flax.struct.dataclass
+class LayerCache:
+    """One layer's view of the cache, handed to its attention (maxtrain.models.attention)."""
+    keys_RxSxK: jax.Array
+    values_RxSxK: jax.Array
+    start_B: jax.Array  # each sequence's first slot
+    index: jax.Array    # the slot of this call's first position
+    prefill: bool = flax.struct.field(pytree_node=False)  # this call writes the prompts from slot 0
+
+    def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, kernel):
+        """(attention output [B,L,H,K], this layer's cache with k and v written). A prefill attends
+        within the prompts by the training `kernel` (the cache holds nothing else yet); a decode step
+        against the cache, each query seeing its sequence's slots up to its own."""
+        keys_RxSxK = _write(self.keys_RxSxK, k_BxLxNxK, self.index)
+        values_RxSxK = _write(self.values_RxSxK, v_BxLxNxK, self.index)
+        if self.prefill:
+            ctx_BxLxHxK = kernel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+        else:
+            slots_S = jnp.arange(keys_RxSxK.shape[1])
+            query_slots_L = self.index + jnp.arange(q_BxLxHxK.shape[1])
+            mask_BxLxS = ((slots_S >= self.start_B[:, None, None])
+                          & (slots_S[None, None, :] <= query_slots_L[None, :, None]))
+            ctx_BxLxHxK = against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS)
+        return ctx_BxLxHxK, self.replace(keys_RxSxK=keys_RxSxK, values_RxSxK=values_RxSxK)
+
+
+@flax.struct.dataclass
+class KVCache:
+    keys: tuple   # per layer, [R, S, K]
+    values: tuple
+    start_B: jax.Array  # int32 [B]: each sequence's first slot
+    index: jax.Array    # int32 scalar: the next slot to write
+    prefill: bool = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def empty(cls, args, start_B, slots: int) -> "KVCache":
+        """A cache of `slots` slots for len(start_B) sequences, ready for their prefill. Call under the mesh."""
+        b, n, k = start_B.shape[0], args.kv_heads, args.head_dim
+        zeros = lambda: _constrain(jnp.zeros((b * n, slots, k), args.dtype), b, n)  # noqa: E731
+        return cls(tuple(zeros() for _ in range(args.layers)), tuple(zeros() for _ in range(args.layers)),
+                   start_B.astype(jnp.int32), jnp.zeros((), jnp.int32), prefill=True)
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[1]
+
+    def positions(self, length: int):
+        """[B, L]: the positions in each sequence of the next `length` slots."""
+        return self.index + jnp.arange(length)[None, :] - self.start_B[:, None]
+
+    def layer(self, i: int) -> LayerCache:
+        return LayerCache(self.keys[i], self.values[i], self.start_B, self.index, self.prefill)
+
+    def written(self, layers: list[LayerCache], length: int) -> "KVCache":
+        """The cache after a call that wrote `length` positions through `layers`."""
+        return KVCache(tuple(x.keys_RxSxK for x in layers), tuple(x.values_RxSxK for x in layers), self.start_B,
+                       self.index + length, prefill=False)
