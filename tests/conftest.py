@@ -67,3 +67,15 @@ def hf_tokenizer_json(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+def decode(c, trainer, params, prompts, max_new_tokens, sampling=None, eos_id=None, batch_size=8):
+    """Each prompt's new ids, decoded with the KV cache (maxtrain.infer.decode) on the trainer's mesh
+    from params in the model's layer order."""
+    from maxtrain.infer.decode import Engine
+    from maxtrain.infer.sampling import Sampling
+    from maxtrain.parallel import mesh as mesh_lib
+    engine = Engine(c, trainer.mesh)
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        return engine.generate(engine.weights(params), prompts, max_new_tokens, sampling or Sampling(), eos_id,
+                               batch_size).ids

@@ -10,6 +10,8 @@ from maxtrain.config import keys as config_keys
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 
+from conftest import decode
+
 # Global batch 8 x 64 tokens in every run; fp32 on CPU, so collectives change only the order of sums.
 MODEL = ("base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8", "max_target_length=64")
 RTOL = 1e-5
@@ -166,14 +168,14 @@ def test_splash_block_map_of_the_load_balanced_layout():
     (("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0"), 62),
 ], ids=["splash", "moe-capacity"])
 def test_generation_under_context_parallelism_matches_one_device(tiny_config, model, prompt_length):
-    """maxtrain.generate's buffer is in sequence order (not training's load-balanced layout) and padded to
-    what the context axis and splash take: the same greedy tokens as on one device."""
-    from maxtrain import generate
+    """Decoding's prefill is in sequence order (not training's load-balanced layout) and padded to what the
+    context axis and splash take; the decode steps run on every context device alike: the same greedy tokens
+    as on one device (an MoE model dropless in both, its capacity_factor a training device)."""
 
     def tokens(devices, *mesh):
         c = tiny_config(*model, *mesh, devices=devices)
         trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
         with mesh_lib.activate(trainer.mesh, trainer.rules):
             params = trainer.init(jax.random.key(0)).params
-            return generate.generate(c, trainer, params, [i % 250 + 1 for i in range(prompt_length)], 4)
+        return decode(c, trainer, params, [[i % 250 + 1 for i in range(prompt_length)]], 4)[0]
     assert tokens(jax.devices(), "ici_context_parallelism=2") == tokens(jax.devices()[:1])

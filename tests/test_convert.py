@@ -22,8 +22,9 @@ from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain import convert, generate, train
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
+from maxtrain.infer.sampling import Sampling
 
-from conftest import SHAKESPEARE, TESTS
+from conftest import SHAKESPEARE, TESTS, decode
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256)
@@ -145,12 +146,11 @@ def test_greedy_generation_matches_transformers(tmp_path):
     out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"))
     c, trainer, params = load_maxtrain(out / "maxtrain.yml")
     prompt = [5, 17, 90, 3, 42]
-    with mesh_lib.activate(trainer.mesh, trainer.rules):
-        ours = generate.generate(c, trainer, params, prompt, 16)
-        # Sampling restricted to the single most likely token is greedy decoding again.
-        top1 = generate.generate(c, trainer, params, prompt, 16, temperature=1.0, top_k=1, seed=3)
-        eos = ours[5]  # stops right after the first time it produces the end-of-sequence token
-        stopped = generate.generate(c, trainer, params, prompt, 16, eos_id=eos)
+    ours = decode(c, trainer, params, [prompt], 16)[0]
+    # Sampling restricted to the single most likely token is greedy decoding again.
+    top1 = decode(c, trainer, params, [prompt], 16, Sampling(temperature=1.0, top_k=1, seed=3))[0]
+    eos = ours[5]  # stops right after the first time it produces the end-of-sequence token
+    stopped = decode(c, trainer, params, [prompt], 16, eos_id=eos)[0]
     ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(prompt):].tolist()
     assert len(ours) == 16 and ours == ref and top1 == ref

@@ -23,13 +23,13 @@ from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalL
 from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.config import load as config_lib
 from maxtrain.config import keys as config_keys
-from maxtrain import convert, generate
+from maxtrain import convert
 from maxtrain.models import hf as hf_format
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain import train
 
-from conftest import TESTS
+from conftest import TESTS, decode
 
 SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False)
@@ -194,8 +194,7 @@ def test_greedy_generation_matches_transformers(tmp_path, kind):
     out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"))
     c, trainer, params = load_maxtrain(out / "maxtrain.yml")
     prompt = [5, 17, 90, 3, 42]
-    with mesh_lib.activate(trainer.mesh, trainer.rules):
-        ours = generate.generate(c, trainer, params, prompt, 16)
+    ours = decode(c, trainer, params, [prompt], 16)[0]
     ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(prompt):].tolist()
     assert len(ours) == 16 and ours == ref

@@ -15,14 +15,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from maxtrain.config import load as config_lib
-from maxtrain import convert, generate
+from maxtrain import convert
+from maxtrain.infer.sampling import Sampling
 from maxtrain.training import loss as loss_lib
 from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib, rules
 from maxtrain.models import args as args_lib, decoder as model_lib
 from maxtrain.config.resolve import resolve
 from maxtrain.training import step as step_lib
 from maxtrain import train
-from conftest import TINY
+from conftest import TINY, decode
 from test_convert import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits, random_hf_model
 from test_faults import main_in_process, one_line
 
@@ -94,8 +95,8 @@ def test_padded_vocab_is_masked_out_of_the_loss_logits_and_sampling(tiny_config,
         assert got / 64 < np.log(200) + 2  # an untrained model's loss, not one with the padding in log Z
         padding_grad = grads["embedding"][200:] if tied else grads["output"][:, 200:]
         assert float(jnp.abs(padding_grad).max()) == 0.0
-        greedy = generate.generate(c, trainer, params, [5, 17, 90], 6)
-        sampled = generate.generate(c, trainer, params, [5, 17, 90], 6, temperature=1.0, seed=1)
+    greedy = decode(c, trainer, params, [[5, 17, 90]], 6)[0]
+    sampled = decode(c, trainer, params, [[5, 17, 90]], 6, Sampling(temperature=1.0, seed=1))[0]
     assert max(greedy + sampled) < 200
 
 

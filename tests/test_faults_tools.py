@@ -226,14 +226,16 @@ def test_a_prompt_that_fills_the_context_is_refused(step_dir, capsys):
                                                  "max_target_length=32")
 
 
-def test_a_buffer_that_does_not_fit_the_device_is_refused_before_it_runs(step_dir, capsys, monkeypatch):
-    # Here a device with 1 KiB: the compiled step's footprint is checked before the first token.
+def test_a_cache_that_does_not_fit_the_device_is_refused_before_it_runs(step_dir, capsys, monkeypatch):
+    # Here a device with 1 KiB: the compiled prefill's and decode's footprints are checked before the first token.
     monkeypatch.setattr(fit, "device_memory", lambda device: (1024.0, "a 1 KiB test device"))
     code = generate.main([TINY, f"load_parameters_path={step_dir}", "prompt_ids=1,2,3", "max_new_tokens=29"])
     line = one_line(capsys.readouterr().err)
-    assert code == 2 and line.startswith("memory error: max_new_tokens: 29 makes a 32-token buffer, and running the "
-                                         "model over it needs "), line
-    assert line.endswith("more than the 0.00 GiB a device has (a 1 KiB test device); lower max_new_tokens")
+    # 8 rows: one per batch shard (fsdp=8); a 3-token prompt pads to 16 slots, then 28 written new ones
+    assert code == 2 and line.startswith("memory error: max_new_tokens: 29 after prompts of up to 16 tokens, 8 at a "
+                                         "time, makes a KV cache of 44 slots ("), line
+    assert line.endswith("more than the 0.00 GiB a device has (a 1 KiB test device); lower max_new_tokens or "
+                         "generate_batch_size"), line
 
 
 def test_max_new_tokens_within_the_context_runs(step_dir, capsys):

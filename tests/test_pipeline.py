@@ -13,7 +13,7 @@ from maxtrain.config.keys import ConfigError
 from maxtrain.parallel import mesh as mesh_lib, pipeline
 from maxtrain.training import step as step_lib
 
-from conftest import TINY
+from conftest import TINY, decode
 
 # 4 layers (2 stages x 2 repeats, or 4 stages), 8 query and kv heads (tensor=2 divides them); a global batch
 # of 16 in every run, so 4 micro-batches split over every stage's batch shards.
@@ -264,14 +264,13 @@ def test_pipelined_layers_run_their_matmuls_quantized(tiny_config):
 def test_generate_runs_a_pipelined_run_layers_in_order(tiny_config):
     """A pipelined run's parameters in the model's order (as its checkpoints hold them): maxtrain.generate
     under the run's config, stage axis and all, gives one device's greedy tokens."""
-    from maxtrain import generate
 
     def tokens(devices, *mesh):
         c = tiny_config(*MODEL, *mesh, devices=devices)
         trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
         with mesh_lib.activate(trainer.mesh, trainer.rules):
             params = trainer.to_saved(trainer.init(jax.random.key(0)).params)
-            return generate.generate(c, trainer, params, [5, 6, 7, 8], 6)
+            return decode(c, trainer, params, [[5, 6, 7, 8]], 6)[0]
     staged = tokens(jax.devices(), "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "per_device_batch_size=2",
                     "num_pipeline_microbatches=4", "num_pipeline_repeats=2")
     assert staged == tokens(jax.devices()[:1]) and len(staged) == 6

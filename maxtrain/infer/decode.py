@@ -72,7 +72,8 @@ class Engine:
         self.c, self.mesh, self.rules = dc, mesh, rules_lib.axis_rules(c)
         self.model = quantization.quantize(registry.spec_for(dc).build(dc), dc)
         self.args = registry.spec_for(dc).args(dc)
-        boxed = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        probe = jnp.zeros((1, c.max_target_length), jnp.int32)  # a length every attention kernel takes
+        boxed = jax.eval_shape(self.model.init, jax.random.key(0), probe)["params"]
         self.param_shapes = jax.tree.map(lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x, boxed,
                                          is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
         self.param_shardings = rules_lib.param_shardings(nn.get_partition_spec(boxed), self.param_shapes, mesh,
