@@ -12,6 +12,7 @@ the cache and the programs fit a device's memory: both are checked before anythi
 from __future__ import annotations
 
 import sys
+import time
 
 from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.config import help as cli_help, load as config_lib
@@ -20,6 +21,7 @@ from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.infer.decode import Engine
 from maxtrain.infer.sampling import Sampling
 from maxtrain.parallel import mesh as mesh_lib
+from maxtrain.observe import progress
 from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.runtime.startup import load_config, say
 from maxtrain.training import step as step_lib
@@ -92,10 +94,17 @@ def run(c: config_lib.Config) -> list[list[int]]:
     mesh = mesh_lib.make_mesh(c)
     trainer = step_lib.build(c, mesh)
     engine = Engine(c, mesh)
+    sampling, eos_id = Sampling.from_config(c), tokenizer.eos_id if tokenizer else None
     with mesh_lib.activate(mesh, trainer.rules):
         params = ckpt_loading.load_parameters(c, trainer.abstract_state.params)
-        out = engine.generate(engine.weights(params, own=True), prompts, c.max_new_tokens, Sampling.from_config(c),
-                              tokenizer.eos_id if tokenizer else None, c.generate_batch_size)
+        weights = engine.weights(params, own=True)
+        t0, shape = time.perf_counter(), engine.shape(prompts, c.max_new_tokens, c.generate_batch_size)
+        with progress.heartbeat("compiling the prefill and the decode"):
+            engine.compile(shape, sampling, -1 if eos_id is None else eos_id)
+        say(f"prefill and decode compiled in {time.perf_counter() - t0:.1f} s: {len(prompts)} prompt(s), "
+            f"{shape.rows} at a time, a KV cache of {shape.slots} slots ({engine.cache_gib(shape):.3f} GiB per device)")
+        with progress.heartbeat("decoding"):
+            out = engine.generate(weights, prompts, c.max_new_tokens, sampling, eos_id, c.generate_batch_size)
     for ids, new in zip(prompts, out.ids):
         say(f"prompt ids: {ids}")
         say(f"generated ids: {new}")

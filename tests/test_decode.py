@@ -196,7 +196,7 @@ def test_the_cache_splits_rows_over_batch_then_kv_heads_and_costs_its_formula(im
     c, trainer, params = test_convert.load_maxtrain(yml, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
     engine = Engine(c, trainer.mesh)
     shape = engine.shape(PROMPTS, NEW, 3)
-    assert (shape.rows, shape.prompt_slots, shape.slots) == (4, 32, 32 + NEW - 1)  # 3 prompts on 4 fsdp shards
+    assert (shape.rows, shape.prompt_slots, shape.slots) == (4, 32, 64)  # 3 prompts on 4 fsdp shards; 32 + 31 padded
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         tokens, start, _, _ = engine._batch(PROMPTS, 0, shape)
         _, cache = jax.jit(engine.prefill, static_argnums=3)(engine.weights(params), tokens, start, shape.slots)
@@ -206,3 +206,23 @@ def test_the_cache_splits_rows_over_batch_then_kv_heads_and_costs_its_formula(im
     total = sum(x.nbytes for x in (*cache.keys, *cache.values))
     assert total == 2 * shape.rows * shape.slots * bytes_per_slot(kv_heads=2, head_dim=16, dtype=jnp.float32)
     assert np.asarray(start).tolist() == [27, 30, 13, 27]  # left-padded to 32; the unused row copies the first
+
+
+def test_under_context_parallelism_the_cache_slots_split_over_the_context_axis(tiny_config):
+    """The rule cache_length -> context: each context device holds and scores its share of the slots (the
+    softmax's sums are reduced across them), with one device's ids."""
+    def run(devices, *mesh):
+        c = tiny_config("max_target_length=64", *mesh, devices=devices)
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            params = trainer.init(jax.random.key(0)).params
+        engine = Engine(c, trainer.mesh)
+        shape = engine.shape(PROMPTS, 20, 2)
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            tokens, start, _, _ = engine._batch(PROMPTS[:2], 0, shape)
+            _, cache = jax.jit(engine.prefill, static_argnums=3)(engine.weights(params), tokens, start, shape.slots)
+        return decode(c, trainer, params, PROMPTS, 20, batch_size=2), shape, cache.keys[0].sharding.spec
+    alone, _, _ = run(jax.devices()[:1])
+    split, shape, spec = run(jax.devices(), "ici_context_parallelism=4", "ici_fsdp_parallelism=2")
+    assert split == alone
+    assert shape.slots % 4 == 0 and tuple(spec)[:2] == ("fsdp", "context")

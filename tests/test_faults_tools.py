@@ -231,9 +231,9 @@ def test_a_cache_that_does_not_fit_the_device_is_refused_before_it_runs(step_dir
     monkeypatch.setattr(fit, "device_memory", lambda device: (1024.0, "a 1 KiB test device"))
     code = generate.main([TINY, f"load_parameters_path={step_dir}", "prompt_ids=1,2,3", "max_new_tokens=29"])
     line = one_line(capsys.readouterr().err)
-    # 8 rows: one per batch shard (fsdp=8); a 3-token prompt pads to 16 slots, then 28 written new ones
+    # 8 rows: one per batch shard (fsdp=8); a 3-token prompt pads to 16 slots, 16 + 28 new ones pad to 48
     assert code == 2 and line.startswith("memory error: max_new_tokens: 29 after prompts of up to 16 tokens, 8 at a "
-                                         "time, makes a KV cache of 44 slots ("), line
+                                         "time, makes a KV cache of 48 slots ("), line
     assert line.endswith("more than the 0.00 GiB a device has (a 1 KiB test device); lower max_new_tokens or "
                          "generate_batch_size"), line
 

@@ -112,3 +112,23 @@ def test_sample_keys_are_checked_before_training(tmp_path, capsys, args, expecte
     assert train.main([TINY, *BYTES, f"base_output_directory={tmp_path}", *args]) == 2
     assert one_line(capsys.readouterr().err).startswith(expected)
     assert not (tmp_path / "tiny").exists()  # refused before the run directory is made
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_long_decode_is_one_line_within_seconds(step_dir):
+    """The decode loop comes back to the host every few steps, so Ctrl-C lands mid-decode."""
+    import signal
+    import time
+    from test_cli import Output
+    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.generate", TINY, *BYTES, "max_target_length=32768",
+                             f"load_parameters_path={step_dir}", "prompt=ROMEO:", "max_new_tokens=32000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    output = Output(proc)
+    output.wait_for(r"^prefill and decode compiled in ", timeout=240)
+    time.sleep(3)
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    code, lines, err = output.finish(timeout=60)
+    assert code == 130 and one_line(err) == "interrupted by Ctrl-C", err[-3000:]
+    assert time.perf_counter() - t0 < 20 and not any(x.startswith("generated ids") for x in lines)

@@ -65,6 +65,21 @@ def test_two_processes_match_one(tmp_path, train_tiny, two_process, one_process)
 
 
 @pytest.mark.slow
+def test_samples_during_training_on_two_processes_match_one(tmp_path, train_tiny, capsys):
+    """Decoding with the KV cache across processes: the prompts go to every process's devices, the ids come
+    back whole to each, and process 0 prints what one process prints."""
+    sample = ("vocab_size=384", "sample_interval=3", 'sample_prompts=["ROMEO:", "To be"]', "max_new_tokens=8",
+              "temperature=0.9")
+    proc = launch(tmp_path, "run_name=multi", "steps=3", "ici_fsdp_parallelism=4", "dcn_data_parallelism=1",
+                  "dcn_fsdp_parallelism=2", *sample)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    multi = [x for x in proc.stdout.splitlines() if x.startswith("sample at step")]
+    train_tiny("run_name=single", "steps=3", "ici_fsdp_parallelism=8", *sample)
+    single = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sample at step")]
+    assert multi == single and len(multi) == 2
+
+
+@pytest.mark.slow
 def test_checkpoints_move_between_two_processes_and_one(tmp_path, train_tiny):
     ckpt = ("enable_checkpointing=true", "checkpoint_period=3", "learning_rate_schedule_steps=12",
             "ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2")

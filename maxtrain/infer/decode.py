@@ -35,7 +35,10 @@ from maxtrain.models.decoder import output_logits
 from maxtrain.observe import fit, summary
 from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
 
-PROMPT_MULTIPLE = 16  # prompts pad to a multiple of this (and of what the context axis and splash take)
+# Prompts pad to a power of two of at least this many tokens (and a multiple of what the context axis and
+# splash take): a few prefill programs serve every prompt length.
+PROMPT_MULTIPLE = 16
+STEPS_PER_CALL = 32  # decode steps per call of the decode program (the host checks for Ctrl-C between)
 
 
 @dataclasses.dataclass
@@ -58,10 +61,7 @@ class Shape:
     rows: int          # sequences per batch (a multiple of the batch's shards)
     prompt_slots: int  # the prompts' padded length
     new_tokens: int
-
-    @property
-    def slots(self) -> int:  # the last new token is never written back
-        return self.prompt_slots + self.new_tokens - 1
+    slots: int         # the cache's: the prompts and every new token but the last, padded like the prompts
 
 
 class Engine:
@@ -125,19 +125,25 @@ class Engine:
         logits_BxV = output_logits(hidden_BxLxD[:, -1:], out_DxV, self.args.logits_dot_in_fp32)[:, 0]
         return logits_BxV[:, :self.args.vocab], cache  # not the padding
 
-    def _first(self, weights, tokens_BxP, start_B, numbers_B, *, shape: Shape, sampling: Sampling):
+    def _first(self, weights, tokens_BxP, start_B, numbers_B, live_B, *, shape: Shape, sampling: Sampling,
+               eos: int):
+        """The prefill and each sequence's first new token: (ids [B, new_tokens], which sequences are done,
+        the cache)."""
         logits_BxV, cache = self.prefill(weights, tokens_BxP, start_B, shape.slots)
-        return sampling.choose(logits_BxV, sampling.row_keys(numbers_B), 0), cache
-
-    def _decode(self, weights, cache, first_B, numbers_B, live_B, *, shape: Shape, sampling: Sampling, eos: int):
-        """([B, new_tokens] ids (first_B first; after a sequence's eos, zeros), the steps taken, the cache:
-        returned only so that the donated cache is the loop's own buffer rather than a copy)."""
-        keys_B = sampling.row_keys(numbers_B)
+        first_B = sampling.choose(logits_BxV, sampling.row_keys(numbers_B), 0)
         tokens_BxT = jnp.zeros((first_B.shape[0], shape.new_tokens), jnp.int32).at[:, 0].set(first_B)
+        return tokens_BxT, ~live_B | (first_B == eos), cache
+
+    def _decode(self, weights, cache, tokens_BxT, done_B, step, numbers_B, *, shape: Shape, sampling: Sampling,
+                eos: int):
+        """Up to STEPS_PER_CALL decode steps from `step`, while a sequence is not done: (ids, done, the next
+        step, the cache). After its eos a sequence's ids are zeros."""
+        keys_B = sampling.row_keys(numbers_B)
+        stop = jnp.minimum(step + STEPS_PER_CALL, shape.new_tokens)
 
         def more(carry):
             step, _, _, done_B = carry
-            return (step < shape.new_tokens) & ~jnp.all(done_B)
+            return (step < stop) & ~jnp.all(done_B)
 
         def decode_one(carry):
             step, cache, tokens_BxT, done_B = carry
@@ -146,9 +152,8 @@ class Engine:
             tokens_BxT = jax.lax.dynamic_update_slice(tokens_BxT, new_B[:, None], (0, step))
             return step + 1, cache, tokens_BxT, done_B | (new_B == eos)
 
-        done_B = ~live_B | (first_B == eos)
-        steps, cache, tokens_BxT, _ = jax.lax.while_loop(more, decode_one, (jnp.int32(1), cache, tokens_BxT, done_B))
-        return tokens_BxT, steps, cache
+        step, cache, tokens_BxT, done_B = jax.lax.while_loop(more, decode_one, (step, cache, tokens_BxT, done_B))
+        return tokens_BxT, done_B, step, cache
 
     def compile(self, shape: Shape, sampling: Sampling, eos: int):
         """(prefill, decode) compiled for `shape`, once per engine; checked against a device's memory."""
@@ -166,27 +171,30 @@ class Engine:
         tokens = jax.ShapeDtypeStruct((shape.rows, shape.prompt_slots), jnp.int32,
                                       sharding=sharding(("batch", "length"), (shape.rows, shape.prompt_slots)))
         per_row = lambda dtype: jax.ShapeDtypeStruct(rows, dtype, sharding=sharding(("batch",), rows))  # noqa: E731
-        replicated = rules_lib.replicated(self.mesh)
-        first = jax.jit(lambda *a: self._first(*a, shape=shape, sampling=sampling),
-                        out_shardings=(sharding(("batch",), rows), None))
-        first = first.lower(weights, tokens, per_row(jnp.int32), per_row(jnp.int32)).compile()
-        first_B, cache = first.out_info
-        decode = jax.jit(lambda *a: self._decode(*a, shape=shape, sampling=sampling, eos=eos),
-                         out_shardings=(replicated, replicated, jax.tree.map(lambda x: x.sharding, cache)),
-                         donate_argnums=1)
-        decode = decode.lower(weights, cache, first_B, per_row(jnp.int32), per_row(jnp.bool_)).compile()
+        replicated = rules_lib.replicated(self.mesh)  # what the host reads between calls: every process whole
+        keywords = dict(shape=shape, sampling=sampling, eos=eos)
+        first = jax.jit(lambda *a: self._first(*a, **keywords), out_shardings=(replicated, replicated, None))
+        first = first.lower(weights, tokens, per_row(jnp.int32), per_row(jnp.int32), per_row(jnp.bool_)).compile()
+        ids, done, cache = first.out_info
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        decode = jax.jit(lambda *a: self._decode(*a, **keywords), donate_argnums=(1, 2, 3),
+                         out_shardings=(replicated, replicated, replicated, jax.tree.map(lambda x: x.sharding, cache)))
+        decode = decode.lower(weights, cache, ids, done, step, per_row(jnp.int32)).compile()
         self._check_memory(shape, first, decode)
         return first, decode
+
+    def cache_gib(self, shape: Shape) -> float:
+        """The KV cache's GiB per device (the rows split over the batch's shards)."""
+        per_slot = bytes_per_slot(self.args.kv_heads, self.args.head_dim, self.args.dtype)
+        return self.args.layers * shape.rows * shape.slots * per_slot / self.batch_shards / fit.GiB
 
     def _check_memory(self, shape: Shape, *programs) -> None:
         need = max(summary.memory_report(p)["total"] for p in programs) * fit.GiB
         have, source = fit.device_memory(self.mesh.devices.flat[0])
         if need > have:
-            per_slot = bytes_per_slot(self.args.kv_heads, self.args.head_dim, self.args.dtype)
-            cache = self.args.layers * shape.rows * shape.slots * per_slot / self.batch_shards / fit.GiB
             raise fit.FitError(
                 f"max_new_tokens: {shape.new_tokens} after prompts of up to {shape.prompt_slots} tokens, "
-                f"{shape.rows} at a time, makes a KV cache of {shape.slots} slots ({cache:.2f} GiB per device), "
+                f"{shape.rows} at a time, makes a KV cache of {shape.slots} slots ({self.cache_gib(shape):.2f} GiB per device), "
                 f"and decoding needs {need / fit.GiB:.2f} GiB per device, more than the {have / fit.GiB:.2f} GiB "
                 f"a device has ({source}); lower max_new_tokens or generate_batch_size")
 
@@ -194,8 +202,9 @@ class Engine:
 
     def shape(self, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> Shape:
         rows = -(-min(batch_size, len(prompts)) // self.batch_shards) * self.batch_shards
-        prompt_slots = -(-max(map(len, prompts)) // self.multiple) * self.multiple
-        return Shape(rows, prompt_slots, max_new_tokens)
+        pad = lambda n: -(-n // self.multiple) * self.multiple  # noqa: E731  (the context axis splits both)
+        prompt_slots = pad(max(PROMPT_MULTIPLE, 1 << (max(map(len, prompts)) - 1).bit_length()))
+        return Shape(rows, prompt_slots, max_new_tokens, pad(prompt_slots + max_new_tokens - 1))
 
     def generate(self, weights, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  eos_id: int | None = None, batch_size: int = 1) -> Generated:
@@ -208,11 +217,13 @@ class Engine:
             batch = prompts[begin:begin + per_batch]
             tokens, start, numbers, live = self._batch(batch, begin, shape)
             t0 = time.perf_counter()
-            first_B, cache = first(weights, tokens, start, numbers)
-            first_B.block_until_ready()
+            tokens_BxT, done_B, cache = first(weights, tokens, start, numbers, live)
+            step, steps, all_done = self._put(np.asarray(1, np.int32), ()), 1, bool(np.all(np.asarray(done_B)))
             t1 = time.perf_counter()
-            tokens_BxT, steps, _ = decode(weights, cache, first_B, numbers, live)
-            tokens_BxT, steps = np.asarray(tokens_BxT), int(steps)
+            while steps < max_new_tokens and not all_done:  # back on the host every few steps: Ctrl-C lands
+                tokens_BxT, done_B, step, cache = decode(weights, cache, tokens_BxT, done_B, step, numbers)
+                steps, all_done = int(step), bool(np.all(np.asarray(done_B)))
+            tokens_BxT = np.asarray(tokens_BxT)
             out.prefill_seconds += t1 - t0
             out.decode_seconds += time.perf_counter() - t1
             for row in tokens_BxT[:len(batch), :steps].tolist():
@@ -220,6 +231,11 @@ class Engine:
                 out.ids.append(ids)
                 out.decode_tokens += len(ids) - 1
         return out
+
+    def _put(self, x: np.ndarray, axes: tuple):
+        """A host array every process holds whole, as a global array split as `axes` say."""
+        sharding = rules_lib.sharding_for(axes, self.mesh, self.rules, x.shape)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def _batch(self, prompts: list[list[int]], first_number: int, shape: Shape):
         """The device arrays of one batch: prompts left-padded (unused rows copy the first prompt, and
@@ -232,7 +248,5 @@ class Engine:
             start[b] = shape.prompt_slots - len(ids)
         numbers = np.arange(first_number, first_number + shape.rows, dtype=np.int32)
         live = np.arange(shape.rows) < len(prompts)
-        put = lambda x, axes: jax.make_array_from_callback(  # noqa: E731  (every process holds the whole batch)
-            x.shape, rules_lib.sharding_for(axes, self.mesh, self.rules, x.shape), lambda index: x[index])
-        return (put(tokens, ("batch", "length")), put(start, ("batch",)), put(numbers, ("batch",)),
-                put(live, ("batch",)))
+        return (self._put(tokens, ("batch", "length")), self._put(start, ("batch",)), self._put(numbers, ("batch",)),
+                self._put(live, ("batch",)))

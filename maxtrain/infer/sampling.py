@@ -1,6 +1,6 @@
 """The next token from a step's logits: greedy, or a sample at a temperature, among the top k and/or the
-top-p nucleus. Each sequence draws from its own key (folded from the seed and its prompt's number), so
-a prompt gets the same sample alone or in any batch."""
+top-p nucleus. Each sequence draws from its own key (folded from the seed and its prompt's number in the
+call), so a prompt file gives the same samples whatever generate_batch_size."""
 
 from __future__ import annotations
 
