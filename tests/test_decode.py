@@ -226,3 +226,16 @@ def test_under_context_parallelism_the_cache_slots_split_over_the_context_axis(t
     split, shape, spec = run(jax.devices(), "ici_context_parallelism=4", "ici_fsdp_parallelism=2")
     assert split == alone
     assert shape.slots % 4 == 0 and tuple(spec)[:2] == ("fsdp", "context")
+
+
+def test_the_prefill_runs_through_each_training_kernel(tiny_config):
+    """A 300-token prompt: blockwise's blocks of 256 queries, jax_nn, dot_product give the same ids."""
+    long_prompt = [int(x) for x in np.random.RandomState(5).randint(1, 256, 300)]
+    ids = {}
+    for kernel in ("dot_product", "blockwise", "jax_nn"):
+        c = tiny_config("max_target_length=512", f"attention={kernel}", devices=jax.devices()[:1])
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()[:1]))
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            params = trainer.init(jax.random.key(0)).params
+        ids[kernel] = decode(c, trainer, params, [long_prompt, [1, 2]], 8, batch_size=2)
+    assert ids["blockwise"] == ids["dot_product"] == ids["jax_nn"]

@@ -119,16 +119,18 @@ def attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks):
 def against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS):
     """Queries [B,L,H,K] against a KV cache whose R = B x N rows are (sequence, kv head) pairs, each of
     S slots (maxtrain.infer.kv_cache); mask [B,L,S]: the slots each query sees. Every slot is scored, so
-    one compiled program serves every position; scores and softmax in float32, as in training."""
+    one compiled program serves every position; scores and softmax in float32, as in training. Plain
+    dot_generals, not einsums: Qwix quantizes a module's einsums, and attention's stay unquantized."""
     b, length, h, k = q_BxLxHxK.shape
     r, s, _ = keys_RxSxK.shape
     n = r // b
     q_RxQxK = q_BxLxHxK.reshape(b, length, n, h // n, k).transpose(0, 2, 3, 1, 4).reshape(r, -1, k)  # Q = G x L
-    scores_RxQxS = jnp.einsum("rqk,rsk->rqs", q_RxQxK, keys_RxSxK, preferred_element_type=jnp.float32) * k ** -0.5
+    scores_RxQxS = jax.lax.dot_general(q_RxQxK, keys_RxSxK, (((2,), (2,)), ((0,), (0,))),  # rqk,rsk->rqs
+                                       preferred_element_type=jnp.float32) * k ** -0.5
     scores_BxNxGxLxS = scores_RxQxS.reshape(b, n, h // n, length, s)
     scores_BxNxGxLxS = jnp.where(mask_BxLxS[:, None, None], scores_BxNxGxLxS, -1e30)
     probs_RxQxS = jax.nn.softmax(scores_BxNxGxLxS, axis=-1).astype(values_RxSxK.dtype).reshape(r, -1, s)
-    out_RxQxK = jnp.einsum("rqs,rsk->rqk", probs_RxQxS, values_RxSxK)
+    out_RxQxK = jax.lax.dot_general(probs_RxQxS, values_RxSxK, (((2,), (1,)), ((0,), (0,))))  # rqs,rsk->rqk
     return out_RxQxK.reshape(b, n, h // n, length, k).transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
 
 
