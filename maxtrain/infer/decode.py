@@ -4,16 +4,17 @@
     weights = engine.weights(params)     # a run's parameters as decoding runs them (each layer its own)
     out = engine.generate(weights, prompts, max_new_tokens, Sampling(...), eos_id)
 
-Two compiled programs serve a call, whatever the prompts' lengths: the prefill runs the prompts, left-
-padded to one length, through the training attention kernels and fills the cache; the decode is one
-loop on the device (a while loop: no host round trip per token) that writes one slot per step for the
-whole batch, samples, and stops when every sequence has reached its eos or max_new_tokens.
+Two compiled programs serve a call, whatever the prompts' lengths within a bucket (a power of two): the
+prefill runs the prompts, left-padded to one length, through the training attention kernels, fills the
+cache and picks each first token; the decode is a loop on the device (no host round trip per token)
+that writes one slot per step for the whole batch and samples, STEPS_PER_CALL steps per call, until
+every sequence has reached its eos or max_new_tokens.
 
 Layers run unrolled, each from its own arrays: on XLA:CPU a step that slices a scanned stack's weights
-copies them every step (4x the step time at 125m, benchmarks/README.md "Decoding"). An MoE model routes
-without a capacity limit (capacity_factor is a training device): each token gets its experts.
-Under context parallelism the prefill splits the prompts' positions as training does; the decode
-step, one position, runs on every device of the context axis alike.
+copies them every step, which doubles the memory traffic that bounds a decode step. An MoE model routes
+without a capacity limit (capacity_factor is a training device): each token gets its experts. Under
+context parallelism the prefill splits the prompts' positions as training does, and the cache's slots
+split over the context axis (the rule cache_length -> context).
 """
 
 from __future__ import annotations

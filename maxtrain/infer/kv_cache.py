@@ -3,11 +3,11 @@
 Layout. Each layer holds keys and values as [R, S, K]: R = B x N rows, one per (sequence, kv head) pair,
 S slots, K the head dim; the cache is in the compute dtype. Rows rather than [B, N, S, K] because
 XLA:CPU updates the cache in place and feeds it to the attention matmul only when the matmul takes the
-updated array as it is: with one sequence, [1, N, S, K] needs a reshape between them and XLA copied the
-whole cache twice per layer and step (benchmarks/README.md, "Decoding"). The rows split over the batch's
-mesh axes and then the kv heads' (together, exactly as the two dimensions would split), the slots over
-the rules' `cache_length` axes (none by default: each device of a batch shard holds every slot), the
-head dim as `head_dim`.
+updated array as it is: with one sequence, [1, N, S, K] needs a reshape between them, and XLA then
+copies the whole cache, twice per layer and step (seen in the compiled program). The rows split over
+the batch's mesh axes and then the kv heads' (together, exactly as the two dimensions would split), the
+slots over the rules' `cache_length` axes (context by default: each device scores its share of the
+slots, and the softmax's sums are reduced across them), the head dim as `head_dim`.
 
 Memory: 2 (keys and values) x N x K x bytes per element, per slot, per layer, per sequence.
 
