@@ -52,7 +52,8 @@ def read_prompt_file(value: str) -> list[str]:
         raise config_keys.ConfigError("prompt_file", f"cannot read {value}: {storage.error_text(e)}") from None
     except UnicodeDecodeError:
         raise config_keys.ConfigError("prompt_file", f"{value} is not UTF-8 text") from None
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = [line.removesuffix("\r") for line in text.split("\n")]  # lines end at \n only (or \r\n)
+    lines = [line for line in lines if line.strip()]
     if not lines:
         raise config_keys.ConfigError("prompt_file", f"{value} has no prompts (one per line)")
     return lines
@@ -102,7 +103,7 @@ def run(c: config_lib.Config) -> list[list[int]]:
         with progress.heartbeat("compiling the prefill and the decode"):
             engine.compile(shape, sampling, -1 if eos_id is None else eos_id)
         say(f"prefill and decode compiled in {time.perf_counter() - t0:.1f} s: {len(prompts)} prompt(s), "
-            f"{shape.rows} at a time, a KV cache of {shape.slots} slots ({engine.cache_gib(shape):.3f} GiB per device)")
+            f"{min(c.generate_batch_size, len(prompts))} at a time, a KV cache of {shape.slots} slots ({engine.cache_gib(shape):.3f} GiB per device)")
         with progress.heartbeat("decoding"):
             out = engine.generate(weights, prompts, c.max_new_tokens, sampling, eos_id, c.generate_batch_size)
     for ids, new in zip(prompts, out.ids):

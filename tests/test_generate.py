@@ -49,6 +49,16 @@ def test_a_prompt_file_in_batches_as_a_user_runs_it(step_dir, tmp_path):
     assert ids_printed(alone.stdout) == batched  # the same samples one prompt at a time
 
 
+def test_output_piped_into_head_ends_quietly(step_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(40)))
+    command = (f"{sys.executable} -m maxtrain.generate {TINY} vocab_size=384 load_parameters_path={step_dir} "
+               f"prompt_file={prompts} max_new_tokens=4 max_target_length=32 | head -1")  # head leaves during the decode
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 141 and "Traceback" not in done.stderr and done.stderr.strip() == "", done.stderr[-2000:]
+    assert done.stdout.startswith("prefill and decode compiled in ") and len(done.stdout.splitlines()) == 1
+
+
 @pytest.mark.parametrize("args,expected", [
     (["prompt=a", "prompt_file=x.txt"], "config error: prompt: set exactly one of prompt=\"text\", prompt_ids=1,2,3 or "
                                         "prompt_file=FILE (got prompt and prompt_file)"),
@@ -56,6 +66,7 @@ def test_a_prompt_file_in_batches_as_a_user_runs_it(step_dir, tmp_path):
     (["prompt=a", "top_p=0"], "config error: top_p: must be in (0, 1] (1 = off), got 0.0"),
     (["prompt=a", "top_p=1.5"], "config error: top_p: must be in (0, 1] (1 = off), got 1.5"),
     (["prompt=a", "generate_batch_size=0"], "config error: generate_batch_size: must be a positive integer"),
+    (["prompt=a", "temperature=1e-38"], "config error: temperature: must be 0 (greedy) or at least 1e-6, got 1e-38"),
 ])
 def test_generate_refuses_bad_keys_in_one_line(step_dir, capsys, args, expected):
     assert generate.main([TINY, *BYTES, f"load_parameters_path={step_dir}", *args]) == 2
@@ -72,6 +83,12 @@ def test_a_bad_prompt_file_is_named(step_dir, tmp_path, capsys, content, expecte
     bad.write_bytes(content)
     assert generate.main([TINY, *BYTES, f"load_parameters_path={step_dir}", f"prompt_file={bad}"]) == 2
     assert one_line(capsys.readouterr().err) == f"config error: prompt_file: {bad} {expected}"
+
+
+def test_prompt_file_lines_end_at_newlines_only(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("a\u2028b\x0bc\r\n  \r\nd\x85e\n".encode())  # separators str.splitlines would split at
+    assert generate.read_prompt_file(str(prompts)) == ["a\u2028b\x0bc", "d\x85e"]
 
 
 def test_a_prompt_file_line_too_long_for_the_context_is_refused(step_dir, tmp_path, capsys):
@@ -99,6 +116,19 @@ def test_training_prints_and_logs_samples_every_sample_interval(tmp_path, capsys
     assert all(len(x["text"].encode()) <= 6 * 4 for r in samples for x in r["samples"])
     events = list((tmp_path / "tiny" / "tensorboard").glob("events.out.tfevents.*"))
     assert events and b"samples" in events[0].read_bytes()
+
+
+def test_a_step_rolled_back_shows_no_sample(tmp_path, capsys):
+    """Every step 2 here is non-finite (and rolled back, until max_nonfinite_steps ends the run): the step is
+    checked before its sample, so no sample of it is shown or logged."""
+    code = train.main([TINY, *BYTES, f"base_output_directory={tmp_path}", "steps=3", "sample_interval=1",
+                       'sample_prompts=["ab"]', "max_new_tokens=4", "nan_policy=rollback", "learning_rate=1e38",
+                       "gradient_clipping_threshold=0", "max_nonfinite_steps=2"])
+    out = capsys.readouterr().out
+    assert code == 1 and "rollback: step 2 was not finite" in out and "sample at step 1: 'ab' -> '" in out
+    assert "sample at step 2" not in out
+    rows = [json.loads(x) for x in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in rows if "samples" in r} == {1}
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -115,6 +115,8 @@ def validate(c: dict[str, Any]) -> None:
 
 
 def _validate_sampling(c: dict[str, Any]) -> None:
+    if 0 < c["temperature"] < 1e-6:  # logits / temperature in float32: below this, greedy with extra steps
+        raise ConfigError("temperature", f"must be 0 (greedy) or at least 1e-6, got {c['temperature']}")
     if not 0 < c["top_p"] <= 1:
         raise ConfigError("top_p", f"must be in (0, 1] (1 = off), got {c['top_p']}")
     if c["sample_interval"] < 0:

@@ -29,7 +29,8 @@ class Sampling:
         """int32 [B]: each sequence's token at decode `step` (its key folded with the step)."""
         if self.temperature == 0:
             return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-        logits_BxV = logits_BxV.astype(jnp.float32) / self.temperature
+        logits_BxV = logits_BxV.astype(jnp.float32)  # the best at 0 first: a small temperature cannot overflow
+        logits_BxV = (logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True)) / self.temperature
         if self.top_k:
             kth_Bx1 = jax.lax.top_k(logits_BxV, self.top_k)[0][:, -1:]
             logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)

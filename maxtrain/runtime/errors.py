@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ class ConvertError(UserError, RuntimeError):
 
 
 INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command Ctrl-C ended
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a command whose reader closed the pipe
 
 
 def exit_code(run: Callable[[], Any]) -> int:
@@ -45,4 +47,7 @@ def exit_code(run: Callable[[], Any]) -> int:
         sys.stdout.flush()
         print("interrupted by Ctrl-C", file=sys.stderr, flush=True)
         return INTERRUPTED
+    except BrokenPipeError:  # the reader left (`| head`): nothing more to print, and nowhere to print it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush is quiet
+        return BROKEN_PIPE
     return result if isinstance(result, int) else 0

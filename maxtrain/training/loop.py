@@ -124,9 +124,11 @@ class TrainLoop:
                                                            self.checkpointer.due(step))
             must_eval = bool(self.make_eval_iterator and c.eval_interval and
                              (step % c.eval_interval == 0 or step == c.steps))
+            must_sample = self.samples is not None and self.samples.due(step)
             to_read = [pending] if pending is not None else []
             pending = (step, device_metrics)
-            if must_save or must_eval or self.preempted or step == c.steps:  # these wait for it anyway: check it first
+            if must_save or must_eval or must_sample or self.preempted or step == c.steps:
+                # these wait for the step anyway: check it first (a sample of a state rolled back is never shown)
                 to_read.append(pending)
                 pending = None
             bad_step = next((item[0] for item in to_read if self.read(*item) == "rollback"), None)
@@ -140,7 +142,7 @@ class TrainLoop:
                 continue
             if must_eval:
                 self.evaluate(step)
-            if self.samples is not None and self.samples.due(step):
+            if must_sample:
                 self.sample(step)
             if self.preempted:
                 break
