@@ -23,7 +23,6 @@ random weights in float32 can flip a near-tie).
 """
 
 import argparse
-import dataclasses
 import os
 import statistics
 import tempfile
@@ -39,8 +38,8 @@ from maxtrain import convert, train
 from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.infer.decode import Engine
 from maxtrain.infer.sampling import Sampling
-from maxtrain.models.decoder import output_logits
-from maxtrain.parallel import mesh as mesh_lib, pipeline, rules as rules_lib
+from maxtrain.infer import reference
+from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 
 PROMPT = 64
@@ -73,23 +72,6 @@ def hf_generate(model, prompts, new_tokens: int) -> tuple[list[list[int]], float
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[:, ids.shape[1]:].tolist(), time.perf_counter() - t0
-
-
-def rerun_step(c, trainer, new_tokens: int):
-    """reference.full_rerun's step, compiled for a buffer of PROMPT + new_tokens: (params, buffer, position)
-    -> (buffer with the next token written at position, that token)."""
-    args = trainer.model.args
-    model = trainer.model.clone(args=dataclasses.replace(args, plan=dataclasses.replace(
-        args.plan, context_load_balance=False, schedule=pipeline.Schedule())))
-
-    def step(params, buffer_RxT, position):
-        hidden_RxTxD, out_DxV = model.apply({"params": params}, buffer_RxT, return_hidden=True)
-        hidden_Rx1xD = jax.lax.dynamic_slice_in_dim(hidden_RxTxD, position - 1, 1, axis=1)
-        logits_RxV = output_logits(hidden_Rx1xD, out_DxV, c.logits_dot_in_fp32)[:, 0, :c.vocab_size]
-        token_R = jax.numpy.argmax(logits_RxV, axis=-1).astype(jax.numpy.int32)
-        return buffer_RxT.at[:, position].set(token_R), token_R[0]
-
-    return jax.jit(step, out_shardings=(trainer.batch_sharding, rules_lib.replicated(trainer.mesh)), donate_argnums=1)
 
 
 def rerun_seconds(step, trainer, params, prompt, new_tokens: int, steps: int) -> float:
@@ -148,7 +130,7 @@ def main():
         t0 = time.perf_counter()
         for b, n in variants:
             engine.compile(engine.shape(prompts[:b], n, b), Sampling(), -1)
-        steps = {n: rerun_step(c, trainer, n) for n in new_tokens} if args.rerun_steps else {}
+        steps = {n: reference.rerun_step(c, trainer) for n in new_tokens} if args.rerun_steps else {}
         print(f"compiled maxtrain's {len(variants)} shapes in {time.perf_counter() - t0:.0f} s (not timed below)")
         hf_generate(model, prompts[:1], 4)  # warm-up
         ours, theirs, rerun, paired, equal, prefill = ({v: [] for v in variants} for _ in range(6))

@@ -14,19 +14,13 @@ from maxtrain.models.decoder import output_logits
 from maxtrain.parallel import pipeline, rules as rules_lib
 
 
-def full_rerun(c, trainer, params, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-               eos_id: int | None = None) -> list[int]:
-    """New ids after one prompt (greedy unless `sampling` says otherwise). Call under the trainer's mesh."""
-    start, total = len(prompt_ids), len(prompt_ids) + max_new_tokens
-    multiple = c.mesh_shape["context"] * (128 if c.attention == "splash" else 1)  # each device's share whole
-    total = -(-total // multiple) * multiple
+def rerun_step(c, trainer, sampling: Sampling = Sampling(), start: int = 0):
+    """The jitted step: (params, buffer [R,T], position) -> (the buffer with the next token written at
+    `position`, that token), sampling's draw numbered position - start (start: the prompt's length)."""
     args = trainer.model.args
     model = trainer.model.clone(args=dataclasses.replace(args, plan=dataclasses.replace(
         args.plan, context_load_balance=False, schedule=pipeline.Schedule())))
     rows = rules_lib.shards(c.logical_axis_rules, "batch", c.mesh_shape)  # every batch shard a copy
-    buffer_RxT = np.zeros((rows, total), np.int32)
-    buffer_RxT[:, :start] = prompt_ids
-    buffer_RxT = jax.device_put(buffer_RxT, trainer.batch_sharding)
     keys_R = sampling.row_keys(np.zeros(rows, np.int32))  # prompt number 0, as the first of a batch
 
     def step(params, buffer_RxT, position):
@@ -36,9 +30,20 @@ def full_rerun(c, trainer, params, prompt_ids: list[int], max_new_tokens: int, s
         token_R = sampling.choose(logits_RxV, keys_R, position - start)
         return buffer_RxT.at[:, position].set(token_R), token_R[0]
 
-    step = jax.jit(step, out_shardings=(trainer.batch_sharding, rules_lib.replicated(trainer.mesh)),
-                   donate_argnums=1)
-    new = []
+    return jax.jit(step, out_shardings=(trainer.batch_sharding, rules_lib.replicated(trainer.mesh)), donate_argnums=1)
+
+
+def full_rerun(c, trainer, params, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+               eos_id: int | None = None) -> list[int]:
+    """New ids after one prompt (greedy unless `sampling` says otherwise). Call under the trainer's mesh."""
+    start, total = len(prompt_ids), len(prompt_ids) + max_new_tokens
+    multiple = c.mesh_shape["context"] * (128 if c.attention == "splash" else 1)  # each device's share whole
+    total = -(-total // multiple) * multiple
+    rows = rules_lib.shards(c.logical_axis_rules, "batch", c.mesh_shape)
+    buffer_RxT = np.zeros((rows, total), np.int32)
+    buffer_RxT[:, :start] = prompt_ids
+    buffer_RxT = jax.device_put(buffer_RxT, trainer.batch_sharding)
+    step, new = rerun_step(c, trainer, sampling, start), []
     for position in range(start, start + max_new_tokens):
         buffer_RxT, token = step(params, buffer_RxT, position)
         new.append(int(token))
