@@ -292,10 +292,10 @@ def test_generate_refusals(capsys, args, expected):
 
 
 def test_llama3_rope_frequencies_match_transformers():
-    from maxtrain.models.layers import rope_frequencies
+    from maxtrain.models.rope import Rope
     model = random_hf_model("llama3.1")
     hf_inv_freq = model.model.rotary_emb.inv_freq.numpy()
-    ours = np.asarray(rope_frequencies(8, 500000.0, (8.0, 1.0, 4.0, 64)))
-    plain = np.asarray(rope_frequencies(8, 500000.0))
+    ours = np.asarray(Rope(500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_length=64).frequencies(8))
+    plain = np.asarray(Rope(500000.0).frequencies(8))
     np.testing.assert_allclose(ours, hf_inv_freq, rtol=1e-6)
     assert (ours < plain).sum() >= 4  # the scaling really slows the long wavelengths here

@@ -23,7 +23,11 @@ MODEL_KEYS = (
     "rope_high_freq_factor", "rope_original_max_position_embeddings", "normalization_layer_epsilon",
     "logits_via_embedding", "qkv_bias", "use_qk_norm", "num_experts", "num_experts_per_tok", "base_moe_mlp_dim",
     "shared_experts", "first_num_dense_layers", "routed_score_func", "norm_topk_prob", "routed_scaling_factor",
-    "routed_bias",
+    "routed_bias", "rope_type", "rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_truncate",
+    "attention_out_bias", "query_pre_attn_scalar", "sliding_window_size", "global_layer_interval", "local_rope_theta",
+    "attention_sinks", "attn_logit_softcapping", "final_logit_softcapping", "scale_embedding", "rms_norm_plus_one",
+    "use_post_attn_norm", "use_post_ffw_norm", "mlp_activation", "mlp_activation_limit", "mlp_bias",
+    "router_logit_bias",
 )
 # Keys that name files or directories: each may be a local path or a URL (maxtrain.runtime.storage).
 PATH_KEYS = ("prompt_file", "base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
@@ -45,6 +49,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "nan_policy": ("skip", "stop", "rollback"),
     "profiler": ("", "xplane"),
     "routed_score_func": ("softmax", "sigmoid"),
+    "rope_type": ("llama3", "linear", "yarn"),
+    "mlp_activation": ("silu", "gelu_tanh", "clamped_swiglu"),
     "moe_grouped_matmul": ("auto", "megablox", "ragged_dot", "blocked"),
     "quantization": ("", *quantization.MODES),
 }

@@ -72,6 +72,7 @@ def validate(c: dict[str, Any]) -> None:
         raise ConfigError("rope_high_freq_factor", "must exceed rope_low_freq_factor, which must be > 0")
     if c["rope_original_max_position_embeddings"] <= 0:
         raise ConfigError("rope_original_max_position_embeddings", "must be a positive integer")
+    _validate_attention_variants(c)
     if c["learning_rate_schedule_steps"] == 0 or c["learning_rate_schedule_steps"] < -1:
         raise ConfigError("learning_rate_schedule_steps", "must be -1 (= steps) or positive")
     if c["max_nonfinite_steps"] < 0:
@@ -112,6 +113,30 @@ def validate(c: dict[str, Any]) -> None:
     if c["top_k"] > c["vocab_size"]:
         raise ConfigError("top_k", f"{c['top_k']} exceeds vocab_size={c['vocab_size']}")
     _validate_sampling(c)
+
+
+def _validate_attention_variants(c: dict[str, Any]) -> None:
+    for key in ("sliding_window_size", "global_layer_interval", "query_pre_attn_scalar", "attn_logit_softcapping",
+                "final_logit_softcapping", "rope_yarn_beta_slow"):
+        if c[key] < 0:
+            raise ConfigError(key, f"must be >= 0, got {c[key]}")
+    if c["global_layer_interval"] and not c["sliding_window_size"]:
+        raise ConfigError("global_layer_interval", "needs sliding_window_size > 0 (without a window every layer "
+                          "sees every key)")
+    if c["global_layer_interval"] > c["base_num_decoder_layers"]:
+        raise ConfigError("global_layer_interval", f"{c['global_layer_interval']} exceeds base_num_decoder_layers="
+                          f"{c['base_num_decoder_layers']}: no layer would be global")
+    if c["local_rope_theta"] != -1 and c["local_rope_theta"] <= 0:
+        raise ConfigError("local_rope_theta", "must be > 0, or -1 (sliding layers use rope_theta)")
+    if c["rope_yarn_beta_fast"] <= c["rope_yarn_beta_slow"]:
+        raise ConfigError("rope_yarn_beta_fast", f"must exceed rope_yarn_beta_slow={c['rope_yarn_beta_slow']}")
+    if c["attention_sinks"] and c["attention"] == "splash":
+        raise ConfigError("attention", "splash has no attention sinks (attention_sinks=true): use blockwise, or auto")
+    if c["global_layer_interval"] and c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
+        raise ConfigError("global_layer_interval", "a pattern of sliding and global layers cannot be pipelined yet "
+                          "(ici/dcn_pipeline_parallelism=1)")
+    if c["mlp_activation_limit"] <= 0:
+        raise ConfigError("mlp_activation_limit", "must be > 0")
 
 
 def _validate_sampling(c: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxtrain.ops.attention import against_cache
+from maxtrain.ops.attention import PLAIN, Variant, against_cache
 from maxtrain.parallel.rules import active_axes, active_mesh
 
 AXES = ("batch", "cache_length", "kv_heads", "head_dim")  # the logical axes of a layer's keys or values
@@ -58,20 +58,23 @@ class LayerCache:
     index: jax.Array    # the slot of this call's first position
     prefill: bool = flax.struct.field(pytree_node=False)  # this call writes the prompts from slot 0
 
-    def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, kernel):
+    def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, kernel,
+               variant: Variant = PLAIN, sinks_H=None):
         """(attention output [B,L,H,K], this layer's cache with k and v written). A prefill attends
         within the prompts by the training `kernel` (the cache holds nothing else yet); a decode step
-        against the cache, each query seeing its sequence's slots up to its own."""
+        against the cache, each query seeing its sequence's slots up to its own (and within the window)."""
         keys_RxSxK = _write(self.keys_RxSxK, k_BxLxNxK, self.index)
         values_RxSxK = _write(self.values_RxSxK, v_BxLxNxK, self.index)
         if self.prefill:
-            ctx_BxLxHxK = kernel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+            ctx_BxLxHxK = kernel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant, sinks_H)
         else:
             slots_S = jnp.arange(keys_RxSxK.shape[1])
             query_slots_L = self.index + jnp.arange(q_BxLxHxK.shape[1])
             mask_BxLxS = ((slots_S >= self.start_B[:, None, None])
                           & (slots_S[None, None, :] <= query_slots_L[None, :, None]))
-            ctx_BxLxHxK = against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS)
+            if variant.window:
+                mask_BxLxS = mask_BxLxS & (slots_S[None, None, :] > query_slots_L[None, :, None] - variant.window)
+            ctx_BxLxHxK = against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS, variant, sinks_H)
         return ctx_BxLxHxK, self.replace(keys_RxSxK=keys_RxSxK, values_RxSxK=values_RxSxK)
 
 

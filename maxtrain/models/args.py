@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from maxtrain.config.keys import padded_vocab
 from maxtrain.config.resolve import Resolved
 from maxtrain.models import quantization, stacks as stacks_lib
+from maxtrain.models.rope import Rope
 from maxtrain.parallel.plan import Plan
 
 
@@ -23,8 +24,23 @@ class ModelArgs:
     head_dim: int
     mlp: int
     layers: int
-    rope_theta: float
-    rope_scaling: tuple  # (factor, low_freq_factor, high_freq_factor, original length); factor 1 = none
+    rope: Rope  # every layer's, or the global layers' where some slide
+    local_rope: Rope  # sliding layers'
+    window: int  # a sliding layer's query sees the keys at distance < window; 0 = no layer slides
+    global_interval: int  # with a window, every Nth layer is global; 0 = all slide
+    query_scale: float  # attention scores' scale (head_dim ** -0.5 unless the family says)
+    sinks: bool  # a learned logit per head in the softmax's denominator (gpt-oss)
+    attn_softcap: float  # scores -> cap x tanh(scores / cap); 0 = none
+    final_softcap: float  # the same for the logits
+    attention_out_bias: bool
+    scale_embedding: bool  # embeddings x sqrt(embed) (Gemma)
+    norm_plus_one: bool  # RMSNorm scales by (1 + scale) (Gemma)
+    post_attn_norm: bool  # sandwich norms (Gemma)
+    post_ffw_norm: bool
+    mlp_activation: str  # silu | gelu_tanh | clamped_swiglu
+    mlp_activation_limit: float
+    mlp_bias: bool
+    router_logit_bias: bool
     norm_eps: float
     tied_embeddings: bool
     qkv_bias: bool
@@ -52,9 +68,15 @@ class ModelArgs:
         return cls(
             vocab=c.vocab_size, embed=c.base_emb_dim, heads=c.base_num_query_heads,
             kv_heads=c.base_num_kv_heads, head_dim=c.head_dim, mlp=c.base_mlp_dim,
-            layers=c.base_num_decoder_layers, rope_theta=c.rope_theta,
-            rope_scaling=(c.rope_scaling_factor, c.rope_low_freq_factor, c.rope_high_freq_factor,
-                          c.rope_original_max_position_embeddings),
+            layers=c.base_num_decoder_layers, rope=Rope.from_config(c),
+            local_rope=Rope.from_config(c, None if c.local_rope_theta == -1 else c.local_rope_theta),
+            window=c.sliding_window_size, global_interval=c.global_layer_interval,
+            query_scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5, sinks=c.attention_sinks,
+            attn_softcap=c.attn_logit_softcapping, final_softcap=c.final_logit_softcapping,
+            attention_out_bias=c.attention_out_bias, scale_embedding=c.scale_embedding,
+            norm_plus_one=c.rms_norm_plus_one, post_attn_norm=c.use_post_attn_norm, post_ffw_norm=c.use_post_ffw_norm,
+            mlp_activation=c.mlp_activation, mlp_activation_limit=c.mlp_activation_limit, mlp_bias=c.mlp_bias,
+            router_logit_bias=c.router_logit_bias,
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
             qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
             scan_layers=c.scan_layers, logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
@@ -65,6 +87,15 @@ class ModelArgs:
             norm_topk_prob=c.norm_topk_prob, routed_bias=c.routed_bias,
             routed_scaling_factor=c.routed_scaling_factor,
             plan=Plan.from_resolved(c) if isinstance(c, Resolved) else Plan.single_device(c))
+
+    def slides(self, layer: int) -> bool:
+        """Whether layer `layer` (counted over the whole model) attends within the window."""
+        return self.window > 0 and (self.global_interval == 0 or (layer + 1) % self.global_interval != 0)
+
+    @property
+    def patterned(self) -> bool:
+        """Some layers slide and some do not: a scanned stack tells each layer its index."""
+        return self.window > 0 and self.global_interval > 0
 
     @property
     def padded_vocab(self) -> int:

@@ -1,5 +1,7 @@
 """GQA self-attention: q/k/v projections (optional biases, optional q/k norms), RoPE, the attention the
-plan runs, and the output projection.
+plan runs, and the output projection (optional bias). A layer that slides (ModelArgs.slides) attends
+within the window, with the sliding layers' RoPE; attention sinks, a scale of the family's own and a
+soft cap on the scores go to every kernel as an attention.Variant.
 
 Shape suffixes: B batch, L length, D embed, H query heads, N kv heads, G query heads per kv head,
 K head dim, F mlp, V vocab.
@@ -8,12 +10,15 @@ K head dim, F mlp, V vocab.
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.models import remat
 from maxtrain.models.args import ModelArgs
-from maxtrain.models.layers import RMSNorm, bias, dense_weight, rope
+from maxtrain.models.layers import RMSNorm, bias, dense_weight
+from maxtrain.models.rope import rope
+from maxtrain.ops.attention import Variant
 from maxtrain.parallel.rules import constrain
 
 
@@ -21,8 +26,10 @@ class Attention(nn.Module):
     args: ModelArgs
 
     @nn.compact
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None):
-        """(output [B,L,D], `cache` with this call's keys and values written; None in training)."""
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, layer=None, cache=None):
+        """(output [B,L,D], `cache` with this call's keys and values written; None in training). `layer`:
+        this layer's index in the model (an int, or a traced one in a scanned stack), where some layers
+        slide and some do not."""
         a = self.args
         wq_DxHxK = dense_weight(self, "wq", (a.embed, a.heads, a.head_dim), ("embed", "heads", "head_dim"))
         wk_DxNxK = dense_weight(self, "wk", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"))
@@ -32,26 +39,45 @@ class Attention(nn.Module):
         q = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK)
         k = jnp.einsum("bld,dnk->blnk", x_BxLxD, wk_DxNxK)
         v = jnp.einsum("bld,dnk->blnk", x_BxLxD, wv_DxNxK)
-        if a.qkv_bias:  # Qwen2
+        if a.qkv_bias:  # Qwen2, gpt-oss
             q = q + bias(self, "bq", (a.heads, a.head_dim), ("heads", "head_dim"))
             k = k + bias(self, "bk", (a.kv_heads, a.head_dim), ("kv_heads", "head_dim"))
             v = v + bias(self, "bv", (a.kv_heads, a.head_dim), ("kv_heads", "head_dim"))
-        if a.qk_norm:  # Qwen3
+        if a.qk_norm:  # Qwen3, Gemma 3
             q = RMSNorm(a, a.head_dim, name="q_norm")(q)
             k = RMSNorm(a, a.head_dim, name="k_norm")(k)
+        sinks_H = None
+        if a.sinks:  # gpt-oss: float32, as the softmax it joins
+            sinks_H = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)),
+                                 (a.heads,), jnp.float32)
         q, k, v = (checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY),
                    checkpoint_name(v, remat.VALUE))
-        q_BxLxHxK = constrain(rope(q, positions_BxL, a.rope_theta, a.rope_scaling),
-                              ("batch", "length", "heads", "head_dim"))
-        k_BxLxNxK = constrain(rope(k, positions_BxL, a.rope_theta, a.rope_scaling),
-                              ("batch", "length", "kv_heads", "head_dim"))
-        v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-        if cache is None:
-            ctx_BxLxHxK = a.plan.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
-        else:  # decoding: a layer's view of the KV cache (maxtrain.infer.kv_cache) writes and attends
-            ctx_BxLxHxK, cache = cache.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
-                                              a.plan.attend)
+        def attend(slides: bool, q, k, v, cache):
+            r = a.local_rope if slides else a.rope
+            q_BxLxHxK = constrain(rope(q, positions_BxL, r), ("batch", "length", "heads", "head_dim"))
+            k_BxLxNxK = constrain(rope(k, positions_BxL, r), ("batch", "length", "kv_heads", "head_dim"))
+            v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+            variant = Variant(window=a.window if slides else 0, scale=a.query_scale, softcap=a.attn_softcap)
+            if cache is None:
+                return a.plan.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant,
+                                     sinks_H), None
+            # decoding: a layer's view of the KV cache (maxtrain.infer.kv_cache) writes and attends
+            return cache.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, a.plan.attend,
+                                variant, sinks_H)
+
+        if not a.patterned:
+            ctx_BxLxHxK, cache = attend(a.window > 0, q, k, v, cache)
+        elif isinstance(layer, int):
+            ctx_BxLxHxK, cache = attend(a.slides(layer), q, k, v, cache)
+        else:  # a scanned stack: each layer's kind from its index, both kinds compiled
+            if cache is not None:
+                raise ValueError("decoding runs unrolled layers, each knowing its index")
+            global_layer = (layer + 1) % a.global_interval == 0
+            ctx_BxLxHxK = jax.lax.cond(global_layer, lambda *x: attend(False, *x, None)[0],
+                                       lambda *x: attend(True, *x, None)[0], q, k, v)
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)
-        return checkpoint_name(jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD), remat.OUT), cache
-
+        out_BxLxD = jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD)
+        if a.attention_out_bias:  # gpt-oss
+            out_BxLxD = out_BxLxD + bias(self, "bo", (a.embed,), ("embed",))
+        return checkpoint_name(out_BxLxD, remat.OUT), cache

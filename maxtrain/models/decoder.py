@@ -28,14 +28,19 @@ class DecoderLayer(nn.Module):
     moe: bool = False  # the MLP is a mixture of experts
 
     @nn.compact
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, cache=None):
-        axes = ("batch", "length", "embed")
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, layer=None, cache=None):
+        """`layer`: the index of this layer in the model, where some layers slide and some do not."""
+        a, axes = self.args, ("batch", "length", "embed")
         x_BxLxD = constrain(x_BxLxD, axes)
-        h, cache = Attention(self.args, name="attention")(RMSNorm(self.args, name="attention_norm")(x_BxLxD),
-                                                          positions_BxL, segment_ids_BxL, cache)
+        h, cache = Attention(a, name="attention")(RMSNorm(a, name="attention_norm")(x_BxLxD),
+                                                  positions_BxL, segment_ids_BxL, layer, cache)
+        if a.post_attn_norm:  # Gemma's sandwich norms: the block's output normalized before the residual
+            h = RMSNorm(a, name="post_attention_norm")(h)
         x_BxLxD = constrain(x_BxLxD + h, axes)
-        mlp = moe.MoEBlock(self.args, name="mlp") if self.moe else MLP(self.args, name="mlp")
-        h = mlp(RMSNorm(self.args, name="mlp_norm")(x_BxLxD))
+        mlp = moe.MoEBlock(a, name="mlp") if self.moe else MLP(a, name="mlp")
+        h = mlp(RMSNorm(a, name="mlp_norm")(x_BxLxD))
+        if a.post_ffw_norm:
+            h = RMSNorm(a, name="post_mlp_norm")(h)
         return constrain(x_BxLxD + h, axes), cache  # (carry, per-layer output) for nn.scan; cache: decoding
 
 
@@ -58,14 +63,19 @@ class Decoder(nn.Module):
         embed_init = nn.with_logical_partitioning(nn.initializers.normal(a.embed ** -0.5), ("vocab", "embed"))
         embedding_VxD = self.param("embedding", embed_init, (a.padded_vocab, a.embed), a.weight_dtype)
         x_BxLxD = a.plan.embed(embedding_VxD, tokens_BxL, a.dtype)
+        if a.scale_embedding:  # Gemma
+            x_BxLxD = x_BxLxD * jnp.asarray(a.embed ** 0.5, a.dtype)
 
         layer = a.plan.remat(DecoderLayer, a.scan_layers)
         first, stacks, layer_caches = 0, a.stacks(), []
         for index, (name, count, is_moe) in enumerate(stacks):
             pipelined = a.plan.pipelines(index, len(stacks))
             if a.scan_layers:  # intermediates: MoE layers record their load and auxiliary losses
+                # a patterned model's layers each get their index, scanned (attention picks its kind by it)
+                indices = (jnp.arange(first, first + count),) if a.patterned else ()
                 stack = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-                                in_axes=(nn.broadcast, nn.broadcast), length=count, unroll=a.plan.unroll(count),
+                                in_axes=(nn.broadcast, nn.broadcast, *(0,) * len(indices)), length=count,
+                                unroll=a.plan.unroll(count),
                                 metadata_params={nn.PARTITION_NAME: a.plan.layers_axis(pipelined)})
                 if pipelined and not self.is_initializing():  # the same parameters, run stage by stage
                     x_BxLxD, records = a.plan.pipeline(functools.partial(apply_layer, a, is_moe),
@@ -74,11 +84,11 @@ class Decoder(nn.Module):
                     if records and self.is_mutable_collection("intermediates"):
                         self.put_variable("intermediates", name, records)
                 else:
-                    x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL)
+                    x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL, *indices)
             else:
                 for i in range(first, first + count):
                     x_BxLxD, written = layer(a, is_moe, name=stacks_lib.unrolled(i))(
-                        x_BxLxD, positions_BxL, segment_ids_BxL, None if cache is None else cache.layer(i))
+                        x_BxLxD, positions_BxL, segment_ids_BxL, i, None if cache is None else cache.layer(i))
                     layer_caches.append(written)
             first += count
 
@@ -90,7 +100,7 @@ class Decoder(nn.Module):
         if return_hidden:  # the output matrix padded: see mask_padding
             result = x_BxLxD, out_DxV
         else:
-            logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32)[..., :a.vocab]
+            logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32, a.final_softcap)[..., :a.vocab]
             result = constrain(logits_BxLxV, ("batch", "length", "vocab"))
         return result if cache is None else (result, cache.written(layer_caches, tokens_BxL.shape[1]))
 
@@ -102,13 +112,16 @@ def apply_layer(args: ModelArgs, is_moe: bool, params, x_BxLxD, positions_BxL, s
     return x_BxLxD, recorded.get("intermediates", {})
 
 
-def output_logits(x_BxLxD, out_DxV, dot_in_fp32: bool):
+def output_logits(x_BxLxD, out_DxV, dot_in_fp32: bool, softcap: float = 0.0):
     """float32 logits from a matmul in x's (the compute) dtype: its output in float32, or rounded to
-    the compute dtype and then cast (half the memory traffic; faster where float32 output is costly)."""
+    the compute dtype and then cast (half the memory traffic; faster where float32 output is costly).
+    With `softcap`, softcap x tanh(logits / softcap) (Gemma 2)."""
     out_DxV = out_DxV.astype(x_BxLxD.dtype)
     if dot_in_fp32:
-        return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV, preferred_element_type=jnp.float32)
-    return jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV).astype(jnp.float32)
+        logits = jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bld,dv->blv", x_BxLxD, out_DxV).astype(jnp.float32)
+    return softcap * jnp.tanh(logits / softcap) if softcap else logits
 
 
 def mask_padding(logits_BxLxV, vocab: int):

@@ -1,4 +1,4 @@
-"""The decoder's building blocks: projections, RMSNorm, RoPE and the SwiGLU MLP.
+"""The decoder's building blocks: projections, RMSNorm and the gated MLP (RoPE: maxtrain.models.rope).
 
 Shape suffixes: B batch, L length, D embed, H query heads, N kv heads, G query heads per kv head,
 K head dim, F mlp, V vocab.
@@ -40,36 +40,27 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxLxD):
-        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                             (self.dim or self.args.embed,), self.args.weight_dtype)
+        a = self.args
+        init = nn.initializers.zeros if a.norm_plus_one else nn.initializers.ones  # Gemma: x (1 + scale)
+        scale_D = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (self.dim or a.embed,),
+                             a.weight_dtype).astype(jnp.float32)
         x = x_BxLxD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.args.norm_eps)
-        return (x * scale_D.astype(jnp.float32)).astype(self.args.dtype)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + a.norm_eps)
+        return (x * (1.0 + scale_D if a.norm_plus_one else scale_D)).astype(a.dtype)
 
 
-def rope_frequencies(half: int, theta: float, scaling: tuple | None = None):
-    """theta^(-i/half) for i < half. With a scaling factor > 1, Llama 3.1's: wavelengths longer than
-    original/low_freq_factor slow down by `factor`, those shorter than original/high_freq_factor stay,
-    and a linear blend in between (factor 1 leaves every frequency as it is)."""
-    freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if scaling is None or scaling[0] == 1.0:
-        return freq_K2
-    factor, low_freq_factor, high_freq_factor, original = scaling
-    blend = (original * freq_K2 / (2 * jnp.pi) - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blend = jnp.clip(blend, 0.0, 1.0)
-    return (1 - blend) * freq_K2 / factor + blend * freq_K2
+SWIGLU_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: gate x sigmoid(alpha x gate)
 
 
-def rope(x_BxLxHxK, positions_BxL, theta: float, scaling: tuple | None = None):
-    """Rotary embedding, half-split layout (as HF Llama): rotate (x[:K/2], x[K/2:]) pairs."""
-    half = x_BxLxHxK.shape[-1] // 2
-    freq_K2 = rope_frequencies(half, theta, scaling)
-    angle_BxLx1xK2 = (positions_BxL[:, :, None, None] * freq_K2).astype(jnp.float32)
-    sin, cos = jnp.sin(angle_BxLx1xK2), jnp.cos(angle_BxLx1xK2)
-    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxLxHxK.dtype)
-
+def activate(gate, up, a: ModelArgs):
+    """The gated MLP's hidden activation from its gate and up projections."""
+    if a.mlp_activation == "gelu_tanh":
+        return nn.gelu(gate, approximate=True) * up
+    if a.mlp_activation == "clamped_swiglu":
+        limit = a.mlp_activation_limit
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(SWIGLU_ALPHA * gate)
+    return nn.silu(gate) * up
 
 
 @jax.custom_vjp
@@ -104,13 +95,15 @@ class MLP(nn.Module):
         gate_DxF = dense_weight(self, "wi_gate", (a.embed, f), ("embed", "mlp"))
         up_DxF = dense_weight(self, "wi_up", (a.embed, f), ("embed", "mlp"))
         down_FxD = dense_weight(self, "wo", (f, a.embed), ("mlp", "embed"))
+        add = (lambda name, shape, axes: bias(self, name, shape, axes)) if a.mlp_bias else (lambda *_: 0.0)  # noqa: E731
+        gate_bias_F, up_bias_F, down_bias_D = (add("bi_gate", (f,), ("mlp",)), add("bi_up", (f,), ("mlp",)),
+                                               add("bo", (a.embed,), ("embed",)))
         mm = (lambda x, w: jnp.einsum("...d,df->...f", x, w)) if a.quantized_mlp else matmul  # noqa: E731
 
         def mlp(x_BxCxD):
-            gate_BxCxF = checkpoint_name(mm(x_BxCxD, gate_DxF), remat.MLP_IN)
-            up_BxCxF = checkpoint_name(mm(x_BxCxD, up_DxF), remat.MLP_IN)
-            h_BxCxF = constrain(nn.silu(gate_BxCxF) * up_BxCxF, ("batch", "length", "mlp"))
-            return checkpoint_name(mm(h_BxCxF, down_FxD), remat.MLP_OUT)
+            gate_BxCxF = checkpoint_name(mm(x_BxCxD, gate_DxF) + gate_bias_F, remat.MLP_IN)
+            up_BxCxF = checkpoint_name(mm(x_BxCxD, up_DxF) + up_bias_F, remat.MLP_IN)
+            h_BxCxF = constrain(activate(gate_BxCxF, up_BxCxF, a), ("batch", "length", "mlp"))
+            return checkpoint_name(mm(h_BxCxF, down_FxD) + down_bias_D, remat.MLP_OUT)
 
         return a.plan.mlp(mlp, x_BxLxD)  # long sequences: in chunks of positions
-

@@ -18,6 +18,7 @@ way to it when the `length` axis is split) are in maxtrain.parallel.context; the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,79 +31,131 @@ import numpy as np
 BLOCK = 256
 
 
-def causal_document_mask(segment_ids_BxL, start: int = 0, stop: int | None = None):
-    """[B, 1, Q, M] boolean for queries start..stop-1 against keys 0..stop-1 (default: all [B,1,L,L]):
-    causal, and a token sees only its own document (segment)."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What a family changes in softmax attention; every kernel honours each (or the plan refuses it)."""
+    window: int = 0             # a query sees the keys at distance < window (itself included); 0 = all before it
+    scale: float | None = None  # the scores' scale; None = head_dim ** -0.5
+    softcap: float = 0.0        # scores -> softcap x tanh(scores / softcap) before the mask; 0 = none
+
+    def scale_for(self, head_dim: int) -> float:
+        return head_dim ** -0.5 if self.scale is None else self.scale
+
+
+PLAIN = Variant()
+
+
+def causal_document_mask(segment_ids_BxL, start: int = 0, stop: int | None = None, key_start: int = 0,
+                         window: int = 0):
+    """[B, 1, Q, M] boolean for queries start..stop-1 against keys key_start..stop-1 (default: all
+    [B,1,L,L]): causal, within the window, and a token sees only its own document (segment)."""
     stop = segment_ids_BxL.shape[1] if stop is None else stop
-    return document_mask(jnp.arange(start, stop)[None], jnp.arange(stop)[None], segment_ids_BxL[:, start:stop],
-                         segment_ids_BxL[:, :stop])
+    return document_mask(jnp.arange(start, stop)[None], jnp.arange(key_start, stop)[None],
+                         segment_ids_BxL[:, start:stop], segment_ids_BxL[:, key_start:stop], window)
 
 
-def document_mask(positions_BxQ, positions_BxM, segment_ids_BxQ, segment_ids_BxM):
-    """[B, 1, Q, M]: a query sees the keys at or before its position, in its own document."""
-    return ((positions_BxQ[:, :, None] >= positions_BxM[:, None, :])
-            & (segment_ids_BxQ[:, :, None] == segment_ids_BxM[:, None, :]))[:, None]
+def document_mask(positions_BxQ, positions_BxM, segment_ids_BxQ, segment_ids_BxM, window: int = 0):
+    """[B, 1, Q, M]: a query sees the keys at or before its position (and, with a window, at distance <
+    window), in its own document."""
+    distance_BxQxM = positions_BxQ[:, :, None] - positions_BxM[:, None, :]
+    seen = (distance_BxQxM >= 0) & (segment_ids_BxQ[:, :, None] == segment_ids_BxM[:, None, :])
+    if window:
+        seen = seen & (distance_BxQxM < window)
+    return seen[:, None]
 
 
-@jax.custom_vjp
-def _attend(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM):
-    """Softmax attention of Q queries over M keys, scores and softmax in float32 (head-major layouts).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attend(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, sinks_NxG, scale: float, softcap: float):
+    """Softmax attention of Q queries over M keys, scores and softmax in float32 (head-major layouts);
+    `sinks_NxG` (or None): a logit per head that joins each softmax's denominator and no value.
 
     Its gradient is flash attention's: the probabilities recomputed from q, k and the saved log-sum-exp,
     and the softmax's backward through rowsum(d_out * out) rather than a sum over the [Q, M] scores.
     Autodiff's form fused that sum with the [Q, M] matmul into one XLA:CPU fusion that took a quarter of
     a context-parallel step."""
-    return _attend_fwd(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM)[0]
+    return _attend_fwd(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, sinks_NxG, scale, softcap)[0]
 
 
-def _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM):
+def _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM, scale, softcap):
+    """(masked scores, tanh of the capped ones or None) in float32."""
     scores_BxNxGxQxM = jnp.einsum("bngqk,bnmk->bngqm", q_BxNxGxQxK, k_BxNxMxK,
-                                  preferred_element_type=jnp.float32) * q_BxNxGxQxK.shape[-1] ** -0.5
-    return jnp.where(mask_Bx1xQxM[:, :, None], scores_BxNxGxQxM, -1e30)
+                                  preferred_element_type=jnp.float32) * scale
+    tanh = None
+    if softcap:
+        tanh = jnp.tanh(scores_BxNxGxQxM / softcap)
+        scores_BxNxGxQxM = softcap * tanh
+    return jnp.where(mask_Bx1xQxM[:, :, None], scores_BxNxGxQxM, -1e30), tanh
 
 
-def _attend_fwd(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM):
-    scores_BxNxGxQxM = _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM)
+def _log_z(scores_BxNxGxQxM, sinks_NxG):
     log_z_BxNxGxQ = jax.nn.logsumexp(scores_BxNxGxQxM, axis=-1)
+    if sinks_NxG is None:
+        return log_z_BxNxGxQ
+    return jnp.logaddexp(log_z_BxNxGxQ, sinks_NxG.astype(jnp.float32)[None, :, :, None])
+
+
+def _attend_fwd(q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, sinks_NxG, scale, softcap):
+    scores_BxNxGxQxM, _ = _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM, scale, softcap)
+    log_z_BxNxGxQ = _log_z(scores_BxNxGxQxM, sinks_NxG)
     probs_BxNxGxQxM = jnp.exp(scores_BxNxGxQxM - log_z_BxNxGxQ[..., None]).astype(v_BxNxMxK.dtype)
     out_BxNxGxQxK = jnp.einsum("bngqm,bnmk->bngqk", probs_BxNxGxQxM, v_BxNxMxK)
-    return out_BxNxGxQxK, (q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, out_BxNxGxQxK, log_z_BxNxGxQ)
+    return out_BxNxGxQxK, (q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, sinks_NxG, out_BxNxGxQxK,
+                           log_z_BxNxGxQ)
 
 
-def _attend_bwd(residuals, d_out_BxNxGxQxK):
-    q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, out_BxNxGxQxK, log_z_BxNxGxQ = residuals
-    probs_BxNxGxQxM = jnp.exp(_scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM) - log_z_BxNxGxQ[..., None])
+def _attend_bwd(scale, softcap, residuals, d_out_BxNxGxQxK):
+    q_BxNxGxQxK, k_BxNxMxK, v_BxNxMxK, mask_Bx1xQxM, sinks_NxG, out_BxNxGxQxK, log_z_BxNxGxQ = residuals
+    scores_BxNxGxQxM, tanh = _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM, scale, softcap)
+    probs_BxNxGxQxM = jnp.exp(scores_BxNxGxQxM - log_z_BxNxGxQ[..., None])
     d_v_BxNxMxK = jnp.einsum("bngqm,bngqk->bnmk", probs_BxNxGxQxM.astype(v_BxNxMxK.dtype), d_out_BxNxGxQxK)
     d_probs_BxNxGxQxM = jnp.einsum("bngqk,bnmk->bngqm", d_out_BxNxGxQxK, v_BxNxMxK, preferred_element_type=jnp.float32)
     rowsum_BxNxGxQ = jnp.sum(d_out_BxNxGxQxK.astype(jnp.float32) * out_BxNxGxQxK.astype(jnp.float32), axis=-1)
-    d_scores_BxNxGxQxM = (probs_BxNxGxQxM * (d_probs_BxNxGxQxM - rowsum_BxNxGxQ[..., None])
-                          * q_BxNxGxQxK.shape[-1] ** -0.5).astype(q_BxNxGxQxK.dtype)
+    d_scores_BxNxGxQxM = probs_BxNxGxQxM * (d_probs_BxNxGxQxM - rowsum_BxNxGxQ[..., None])
+    if softcap:  # d(cap x tanh(s / cap)) / ds
+        d_scores_BxNxGxQxM = d_scores_BxNxGxQxM * (1 - tanh * tanh)
+    d_scores_BxNxGxQxM = (d_scores_BxNxGxQxM * scale).astype(q_BxNxGxQxK.dtype)
     d_q_BxNxGxQxK = jnp.einsum("bngqm,bnmk->bngqk", d_scores_BxNxGxQxM, k_BxNxMxK)
     d_k_BxNxMxK = jnp.einsum("bngqm,bngqk->bnmk", d_scores_BxNxGxQxM, q_BxNxGxQxK)
-    return d_q_BxNxGxQxK, d_k_BxNxMxK, d_v_BxNxMxK, None
+    d_sinks_NxG = None
+    if sinks_NxG is not None:  # a sink is a key with no value: its logit's gradient is -p(sink) x rowsum
+        p_sink_BxNxGxQ = jnp.exp(sinks_NxG.astype(jnp.float32)[None, :, :, None] - log_z_BxNxGxQ)
+        d_sinks_NxG = -jnp.sum(p_sink_BxNxGxQ * rowsum_BxNxGxQ, axis=(0, 3)).astype(sinks_NxG.dtype)
+    return d_q_BxNxGxQxK, d_k_BxNxMxK, d_v_BxNxMxK, None, d_sinks_NxG
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
-    return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, q_BxLxHxK.shape[1])
+def dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Variant = PLAIN, sinks_H=None):
+    return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, q_BxLxHxK.shape[1], variant, sinks_H)
 
 
-def blockwise(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
-    return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, BLOCK)
+def blockwise(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Variant = PLAIN, sinks_H=None):
+    return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, window_block(variant.window),
+                         variant, sinks_H)
 
 
-def _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int):
-    """`block` queries at a time, each block against the keys up to its own end (block >= L: all at once)."""
-    length = q_BxLxHxK.shape[1]
-    return attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [  # unrolled: each block sees a different number of keys
-        (start, min(start + block, length), causal_document_mask(segment_ids_BxL, start, min(start + block, length)))
-        for start in range(0, length, block)])
+def window_block(window: int) -> int:
+    """blockwise's queries per block: BLOCK, or with a window a quarter of it (at least 64). A block of Q
+    queries computes Q x (Q + window - 1) scores, so smaller blocks waste less on the window's edges."""
+    return BLOCK if not window else min(BLOCK, max(64, window // 4))
 
 
-def attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks):
-    """Each (start, stop, mask [B,1,Q,keys]) of `blocks`: queries start..stop-1 against the first `keys` keys.
+def _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int, variant: Variant, sinks_H):
+    """`block` queries at a time, each block against the keys from its window's start (0 without one) up
+    to its own end (block >= L: all at once)."""
+    length, w = q_BxLxHxK.shape[1], variant.window
+    blocks = []
+    for start in range(0, length, block):  # unrolled: each block sees a different range of keys
+        stop = min(start + block, length)
+        key_start = max(0, start - w + 1) if w else 0
+        blocks.append((start, stop, key_start, causal_document_mask(segment_ids_BxL, start, stop, key_start, w)))
+    return attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, blocks, variant, sinks_H)
+
+
+def attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks, variant: Variant = PLAIN, sinks_H=None):
+    """Each (start, stop, key_start, mask [B,1,Q,keys]) of `blocks`: queries start..stop-1 against keys
+    key_start .. key_start + keys - 1.
 
     q, k and v go head-major once, up front, so each einsum is a plain batched matmul over contiguous
     [L, K] rows: on CPU a faster forward than einsums on [B,L,H,K], with the same bits."""
@@ -110,13 +163,16 @@ def attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks):
     n = k_BxMxNxK.shape[2]
     q_BxNxGxLxK = q_BxLxHxK.reshape(b, length, n, h // n, k).transpose(0, 2, 3, 1, 4)
     k_BxNxMxK, v_BxNxMxK = k_BxMxNxK.transpose(0, 2, 1, 3), v_BxMxNxK.transpose(0, 2, 1, 3)
-    ctx = [_attend(q_BxNxGxLxK[:, :, :, start:stop], k_BxNxMxK[:, :, :mask.shape[-1]], v_BxNxMxK[:, :, :mask.shape[-1]],
-                   mask) for start, stop, mask in blocks]
+    sinks_NxG = None if sinks_H is None else sinks_H.reshape(n, h // n)
+    scale = variant.scale_for(k)
+    ctx = [_attend(q_BxNxGxLxK[:, :, :, start:stop], k_BxNxMxK[:, :, key_start:key_start + mask.shape[-1]],
+                   v_BxNxMxK[:, :, key_start:key_start + mask.shape[-1]], mask, sinks_NxG, scale, variant.softcap)
+           for start, stop, key_start, mask in blocks]
     ctx_BxNxGxLxK = jnp.concatenate(ctx, axis=3)
     return ctx_BxNxGxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
 
 
-def against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS):
+def against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS, variant: Variant = PLAIN, sinks_H=None):
     """Queries [B,L,H,K] against a KV cache whose R = B x N rows are (sequence, kv head) pairs, each of
     S slots (maxtrain.infer.kv_cache); mask [B,L,S]: the slots each query sees. Every slot is scored, so
     one compiled program serves every position; scores and softmax in float32, as in training. Plain
@@ -126,23 +182,33 @@ def against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS):
     n = r // b
     q_RxQxK = q_BxLxHxK.reshape(b, length, n, h // n, k).transpose(0, 2, 3, 1, 4).reshape(r, -1, k)  # Q = G x L
     scores_RxQxS = jax.lax.dot_general(q_RxQxK, keys_RxSxK, (((2,), (2,)), ((0,), (0,))),  # rqk,rsk->rqs
-                                       preferred_element_type=jnp.float32) * k ** -0.5
+                                       preferred_element_type=jnp.float32) * variant.scale_for(k)
+    if variant.softcap:
+        scores_RxQxS = variant.softcap * jnp.tanh(scores_RxQxS / variant.softcap)
     scores_BxNxGxLxS = scores_RxQxS.reshape(b, n, h // n, length, s)
     scores_BxNxGxLxS = jnp.where(mask_BxLxS[:, None, None], scores_BxNxGxLxS, -1e30)
-    probs_RxQxS = jax.nn.softmax(scores_BxNxGxLxS, axis=-1).astype(values_RxSxK.dtype).reshape(r, -1, s)
+    sinks_NxG = None if sinks_H is None else sinks_H.reshape(n, h // n).astype(jnp.float32)
+    log_z_BxNxGxL = _log_z(scores_BxNxGxLxS, sinks_NxG)
+    probs_BxNxGxLxS = jnp.exp(scores_BxNxGxLxS - log_z_BxNxGxL[..., None])
+    probs_RxQxS = probs_BxNxGxLxS.astype(values_RxSxK.dtype).reshape(r, -1, s)
     out_RxQxK = jax.lax.dot_general(probs_RxQxS, values_RxSxK, (((2,), (1,)), ((0,), (0,))))  # rqs,rsk->rqk
     return out_RxQxK.reshape(b, n, h // n, length, k).transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
 
 
-def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
-    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK,
-                                        mask=causal_document_mask(segment_ids_BxL))
+def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Variant = PLAIN, sinks_H=None):
+    """jax.nn.dot_product_attention; soft caps and sinks, which it lacks, go the dot_product way."""
+    if variant.softcap or sinks_H is not None:
+        return dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant, sinks_H)
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, scale=variant.scale,
+                                        mask=causal_document_mask(segment_ids_BxL, window=variant.window))
 
 
-def splash_kernel(places, residual_name, heads: int, q_shards: int = 1, interpret: bool = False):
+def splash_kernel(places, residual_name, heads: int, q_shards: int = 1, interpret: bool = False,
+                  variant: Variant = PLAIN):
     """Splash for queries at `places` of the sequence (len(places) of them) against the whole sequence's
-    keys in order, causal; q_shards > 1: the queries split into that many contiguous shards over devices,
-    each against all the keys (context parallelism). `interpret`: Pallas' interpreter, off TPU (tests)."""
+    keys in order, causal (and within variant.window); q_shards > 1: the queries split into that many
+    contiguous shards over devices, each against all the keys (context parallelism). `interpret`: Pallas'
+    interpreter, off TPU (tests). The caller scales q (splash does not)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
     length = len(places)
@@ -151,10 +217,11 @@ def splash_kernel(places, residual_name, heads: int, q_shards: int = 1, interpre
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                               block_kv_dq=block)
-    mask = _placed_causal_mask_type()((length, length), places)
+    mask = _placed_causal_mask_type()((length, length), places, variant.window)
     return splash.make_splash_mha(
         masks.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=q_shards,
-        residual_checkpoint_name=residual_name, interpret=interpret)
+        residual_checkpoint_name=residual_name, interpret=interpret,
+        attn_logits_soft_cap=variant.softcap or None)
 
 
 @functools.cache
@@ -163,21 +230,35 @@ def _placed_causal_mask_type():
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     class PlacedCausalMask(masks.CausalMask):
-        """Causal, for queries at the given places of the sequence (q_sequence: the kernel computes the
-        mask from it on the chip). Blocks wholly above or below the diagonal are answered without
-        comparing each pair: building the block map for 131,072 tokens took a minute that way."""
+        """Causal (and with a window, distance < window), for queries at the given places of the sequence
+        (q_sequence: the kernel computes the mask from it on the chip, by mask_function). Blocks wholly
+        inside or outside the mask are answered without comparing each pair: building the block map for
+        131,072 tokens took a minute that way."""
 
-        def __init__(self, shape, places):
+        def __init__(self, shape, places, window: int = 0):
             super().__init__(shape)
             self.q_sequence = np.asarray(places, np.int32)
+            self.window = window
+            if window:
+                self.mask_function = lambda q, kv: (q >= kv) & (q - kv < window)
 
         def __getitem__(self, idx):
             rows, cols = idx
             places = self.q_sequence[rows]
             start, stop = cols.start or 0, self.shape[1] if cols.stop is None else cols.stop
-            if places.min() >= stop - 1 or places.max() < start:
-                return np.full((len(places), stop - start), places.min() >= stop - 1)
-            return places[:, None] >= np.arange(start, stop)[None, :]
+            w = self.window or self.shape[1] + 1
+            if places.max() < start or places.min() - (stop - 1) >= w:  # all after, or all beyond the window
+                return np.zeros((len(places), stop - start), bool)
+            if places.min() >= stop - 1 and places.max() - start < w:
+                return np.ones((len(places), stop - start), bool)
+            distance = places[:, None] - np.arange(start, stop)[None, :]
+            return (distance >= 0) & (distance < w)
+
+        def __eq__(self, other):
+            return super().__eq__(other) and self.window == other.window
+
+        def __hash__(self):
+            return hash((super().__hash__(), self.window))
 
     return PlacedCausalMask
 

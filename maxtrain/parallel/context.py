@@ -8,18 +8,20 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain.ops.attention import attend_blocks, run_splash, splash_kernel, unzigzag, document_mask, zigzag_order
+from maxtrain.ops.attention import (PLAIN, Variant, attend_blocks, document_mask, run_splash, splash_kernel, unzigzag,
+                                   zigzag_order)
 from maxtrain.parallel.rules import active_mesh, active_spec, length_shards, splits_evenly
 
 
-def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None, balanced=False):
+def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None, balanced=False,
+           variant: Variant = PLAIN):
     """The splash kernel on each shard (batch, heads and queries split). Under context parallelism each
     device runs it for its queries against the whole sequence's keys and values, gathered and put back
     in sequence order (`balanced`: the batch is in zigzag_order, so each device's queries sit at those
     places)."""
     b, length, h, k = q_BxLxHxK.shape
     to_heads_major = lambda x: x.swapaxes(1, 2)  # noqa: E731  [B,L,H,K] <-> [B,H,L,K]
-    args = (to_heads_major(q_BxLxHxK) * k ** -0.5, to_heads_major(k_BxLxNxK), to_heads_major(v_BxLxNxK),
+    args = (to_heads_major(q_BxLxHxK) * variant.scale_for(k), to_heads_major(k_BxLxNxK), to_heads_major(v_BxLxNxK),
             segment_ids_BxL)
     mesh = active_mesh()
     specs = None
@@ -31,7 +33,7 @@ def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None,
             specs = None  # e.g. the batch-of-1 trace at init, whose attention output is never used
     shards = length_shards() if specs else 1
     places = zigzag_order(length, shards) if balanced and shards > 1 else np.arange(length)
-    kernel = splash_kernel(places, residual_name, h, shards, interpret=_platform() != "tpu")
+    kernel = splash_kernel(places, residual_name, h, shards, interpret=_platform() != "tpu", variant=variant)
     if specs is None:
         return to_heads_major(run_splash(kernel, *args))
     length_axes = specs[3][1]
@@ -61,7 +63,8 @@ def _platform() -> str:
     return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
 
 
-def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
+def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant: Variant = PLAIN,
+                     sinks_H=None):
     """Each device keeps its queries and gathers the whole sequence's keys and values (the all-gather
     strategy of MaxText and torchtitan), under shard_map: the attention itself is a device's local
     computation, as without context parallelism. The causal mask compares positions, not places, so a
@@ -72,14 +75,17 @@ def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions
     specs = tuple(active_spec(axes) for axes in logical)
     q_spec, tokens = specs[0], specs[3]
     args = (q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
+    w = variant.window
     if not all(splits_evenly(axes, x.shape) for axes, x in zip(logical, args)):
         # the batch-of-1 trace at init, whose attention output is never used
-        return attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [(0, q_BxLxHxK.shape[1], document_mask(
-            positions_BxL, positions_BxL, segment_ids_BxL, segment_ids_BxL))])
+        return attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [(0, q_BxLxHxK.shape[1], 0, document_mask(
+            positions_BxL, positions_BxL, segment_ids_BxL, segment_ids_BxL, w))], variant, sinks_H)
 
-    def local(q_BxQxHxK, k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ):
+    def local(q_BxQxHxK, k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ, sinks_H):
         gather = lambda x: jax.lax.all_gather(x, tokens[1], axis=1, tiled=True)  # noqa: E731
-        mask_Bx1xQxM = document_mask(positions_BxQ, gather(positions_BxQ), segment_ids_BxQ, gather(segment_ids_BxQ))
+        mask_Bx1xQxM = document_mask(positions_BxQ, gather(positions_BxQ), segment_ids_BxQ, gather(segment_ids_BxQ),
+                                     w)
         return attend_blocks(q_BxQxHxK, gather(k_BxCxNxK), gather(v_BxCxNxK),
-                              [(0, q_BxQxHxK.shape[1], mask_Bx1xQxM)])
-    return jax.shard_map(local, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+                             [(0, q_BxQxHxK.shape[1], 0, mask_Bx1xQxM)], variant, sinks_H)
+    sinks_spec = PartitionSpec(specs[0][2])  # each device's query heads' sinks
+    return jax.shard_map(local, in_specs=(*specs, sinks_spec), out_specs=q_spec, check_vma=False)(*args, sinks_H)

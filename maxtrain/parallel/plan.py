@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 
 from maxtrain.ops import attention
+from maxtrain.ops.attention import PLAIN, Variant
 from maxtrain.models import remat
 from maxtrain.parallel import chunks, context, embedding, experts, pipeline
 from maxtrain.parallel.rules import length_shards
@@ -57,15 +58,19 @@ class Plan:
 
     # ---- what a layer asks
 
-    def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL):
-        """Causal, same-document attention [B,L,H,K] by the planned kernel; under context parallelism
-        (the sequence split over devices) every kernel but splash gives way to context_parallel."""
+    def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
+               variant: Variant = PLAIN, sinks_H=None):
+        """Causal, same-document attention [B,L,H,K] by the planned kernel, as `variant` says (a window,
+        a scale, a soft cap) and with `sinks_H` if any; under context parallelism (the sequence split over
+        devices) every kernel but splash gives way to context_parallel. Splash has no sinks (the config
+        refuses the pair)."""
         if self.attention == "splash":
             return context.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
-                                  self.context_load_balance)
+                                  self.context_load_balance, variant)
         if length_shards() > 1:
-            return context.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL)
-        return attention.KERNELS[self.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
+            return context.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
+                                            variant, sinks_H)
+        return attention.KERNELS[self.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant, sinks_H)
 
     def embed(self, embedding_VxD, tokens_BxL, dtype):
         return embedding.lookup(embedding_VxD, tokens_BxL, dtype)
@@ -111,7 +116,9 @@ class Plan:
         """The layer class rematerialized under the policy (unchanged under none)."""
         if self.remat_policy == "none":
             return layer
-        return nn.remat(layer, policy=remat.POLICIES[self.remat_policy], prevent_cse=not scanned)
+        # unrolled, a layer's index (DecoderLayer's 4th argument after self) stays a Python int
+        return nn.remat(layer, policy=remat.POLICIES[self.remat_policy], prevent_cse=not scanned,
+                        static_argnums=() if scanned else (4,))
 
     def unroll(self, layers: int) -> int:
         """Layers per iteration of a scanned stack of `layers`."""
