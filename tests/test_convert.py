@@ -234,12 +234,15 @@ def config_mismatch(tmp_path):
 
 def rope_scaling(tmp_path):
     hf = _saved(tmp_path)
-    _edit_config(hf, rope_parameters={"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0})
-    return ["--hf_dir", str(hf)], "rope type 'yarn' is not supported"
+    _edit_config(hf, rope_parameters={"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 8.0})
+    return ["--hf_dir", str(hf)], "rope type 'dynamic' is not supported"
 
 
-def sliding_window(tmp_path):
-    return ["--hf_dir", str(_saved(tmp_path, "mistral", sliding_window=4096))], "sliding_window=4096 is not supported"
+def sliding_window(tmp_path):  # Qwen2's window from max_window_layers on: some layers only
+    hf = _saved(tmp_path, "qwen2")
+    _edit_config(hf, use_sliding_window=True, sliding_window=64, max_window_layers=1,
+                 layer_types=["full_attention", "sliding_attention"])
+    return ["--hf_dir", str(hf)], "sliding_window=64 is not supported"
 
 
 def pickle_only(tmp_path):

@@ -260,10 +260,6 @@ def decoder_sparse_step(tmp_path):
     return ["--hf_dir", str(hf)], "decoder_sparse_step=2 is not supported"
 
 
-def sliding_window(tmp_path):
-    return ["--hf_dir", str(_saved(tmp_path, "mixtral", sliding_window=4096))], "sliding_window=4096 is not supported"
-
-
 def qwen3_sliding_window(tmp_path):
     hf = _saved(tmp_path, "qwen3_moe")
     _edit_config(hf, use_sliding_window=True, sliding_window=64)
@@ -302,7 +298,7 @@ def config_mismatch(tmp_path):
     return ["--hf_dir", str(_saved(tmp_path)), "--config", str(preset)], "vocab_size:"
 
 
-@pytest.mark.parametrize("case", [qwen2_moe, mlp_only_layers, decoder_sparse_step, sliding_window,
+@pytest.mark.parametrize("case", [qwen2_moe, mlp_only_layers, decoder_sparse_step,
                                   qwen3_sliding_window, missing_expert, expert_width, fewer_experts,
                                   too_many_per_token, config_mismatch])
 def test_import_refusals_are_one_line_and_write_nothing(tmp_path, capsys, case):

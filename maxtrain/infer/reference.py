@@ -26,7 +26,7 @@ def rerun_step(c, trainer, sampling: Sampling = Sampling(), start: int = 0):
     def step(params, buffer_RxT, position):
         hidden_RxTxD, out_DxV = model.apply({"params": params}, buffer_RxT, return_hidden=True)
         hidden_Rx1xD = jax.lax.dynamic_slice_in_dim(hidden_RxTxD, position - 1, 1, axis=1)
-        logits_RxV = output_logits(hidden_Rx1xD, out_DxV, c.logits_dot_in_fp32)[:, 0, :c.vocab_size]
+        logits_RxV = output_logits(hidden_Rx1xD, out_DxV, c.logits_dot_in_fp32, c.final_logit_softcapping)[:, 0, :c.vocab_size]
         token_R = sampling.choose(logits_RxV, keys_R, position - start)
         return buffer_RxT.at[:, position].set(token_R), token_R[0]
 

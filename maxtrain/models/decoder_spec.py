@@ -17,7 +17,7 @@ from maxtrain.models.registry import Keys
 
 # Norm scales, attention biases and the MoE balancing bias take no weight decay; the balancing bias is
 # moved by the train step's rule (moe.update_router_bias), never by the optimizer.
-NOT_DECAYED = ("scale", "bq", "bk", "bv", "router_bias")
+NOT_DECAYED = ("scale", "bq", "bk", "bv", "bo", "sinks", "router_bias")
 NOT_TRAINED = ("router_bias",)
 
 
@@ -42,6 +42,7 @@ def count_params(m: Keys, active: bool = False) -> int:
     attention = d * hd * (2 * h + 2 * kv) + 2 * d
     attention += hd * (h + 2 * kv) if m["qkv_bias"] else 0
     attention += 2 * hd if m["use_qk_norm"] else 0
+    attention += d * (m["use_post_attn_norm"] + m["use_post_ffw_norm"])  # sandwich norms
     dense_layers, moe_layers = _layer_counts(m)
     moe = 0
     if moe_layers:
@@ -60,7 +61,14 @@ def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = Tr
     d, h, kv, hd = m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"]
     f = m["base_mlp_dim"]
     projections = 2 * d * hd * (h + 2 * kv) + 2 * d * hd * h
-    attention = 4 * length * h * hd * (0.5 if causal else 1.0)  # QK^T and PV, per token
+    layers = m["base_num_decoder_layers"]
+    window, every = m["sliding_window_size"], m["global_layer_interval"]
+    sliding = 0 if not window else layers - (layers // every if every else 0)
+    # QK^T and PV, per token: keys seen per query, on average, by a global layer and by a sliding one
+    seen_global = length * (0.5 if causal else 1.0)
+    seen_sliding = seen_global if not window or length <= window else (
+        window * (length - window / 2) / length if causal else min(length, 2 * window - 1))
+    attention = 4 * h * hd * ((layers - sliding) * seen_global + sliding * seen_sliding) / layers
     dense, moe = _layer_counts(m)
     routed = m["num_experts_per_tok"] if active else m["num_experts"]
     experts = 2 * 3 * d * moe_width(m) * (routed + m["shared_experts"]) + 2 * d * m["num_experts"]

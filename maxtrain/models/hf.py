@@ -91,6 +91,71 @@ def layered_sliding_window(hf: dict[str, Any]) -> int | None:
 # config.json <-> maxtrain model keys
 
 
+# Model keys of the attention and block variants, at the values that leave the plain decoder. A family
+# whose HF model has a variant sets its key in `HFMapping.keys`; export refuses a model whose family's
+# HF types cannot carry a variant it has (HFMapping.expresses).
+PLAIN_VARIANTS = {
+    "sliding_window_size": 0, "global_layer_interval": 0, "local_rope_theta": -1.0, "attention_sinks": False,
+    "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0, "query_pre_attn_scalar": 0.0,
+    "attention_out_bias": False, "scale_embedding": False, "rms_norm_plus_one": False, "use_post_attn_norm": False,
+    "use_post_ffw_norm": False, "mlp_activation": "silu", "mlp_bias": False, "router_logit_bias": False,
+}
+
+
+def plain_checks(hf: dict[str, Any]) -> None:
+    """What the Llama-like families' config.json must say (a family with its own checks replaces these)."""
+    if hf.get("hidden_act") not in ("silu", "swish"):
+        raise ConvertError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConvertError(f"config.json: {key}=true is not supported (maxtrain has q/k/v biases only, "
+                               f"as Qwen2)")
+
+
+def rope_keys(rope: dict[str, Any], theta: float) -> dict[str, Any]:
+    """maxtrain's RoPE keys for HF rope parameters `rope` (rope_type and its settings), base `theta`."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear", "yarn"):
+        raise ConvertError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3, "
+                           f"linear, yarn)")
+    if number(rope, "partial_rotary_factor", 1.0) != 1.0:
+        raise ConvertError("config.json: partial_rotary_factor is not supported (maxtrain rotates whole heads)")
+    keys: dict[str, Any] = {"rope_theta": theta, "rope_scaling_factor": 1.0, "rope_type": "llama3"}
+    if rope_type == "default":  # the other keys matter only with a factor
+        return keys
+    factor = number(rope, "factor", math.nan)
+    if math.isnan(factor) or factor < 1:
+        raise ConvertError(f"config.json: {rope_type} rope parameters need a factor >= 1: {rope}")
+    keys |= {"rope_type": rope_type, "rope_scaling_factor": factor}
+    if rope_type == "linear":
+        return keys
+    original = rope.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ConvertError(f"config.json: {rope_type} rope parameters need original_max_position_embeddings: {rope}")
+    keys["rope_original_max_position_embeddings"] = original
+    if rope_type == "yarn":
+        if rope.get("attention_factor") is not None or rope.get("mscale") or rope.get("mscale_all_dim"):
+            raise ConvertError(f"config.json: yarn's attention_factor / mscale are not supported: {rope}")
+        return keys | {"rope_yarn_beta_fast": number(rope, "beta_fast", 32.0) or 32.0,
+                       "rope_yarn_beta_slow": number(rope, "beta_slow", 1.0) or 1.0,
+                       "rope_yarn_truncate": bool(rope.get("truncate", True))}
+    names = {"rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor": "high_freq_factor"}
+    scaling = {ours: number(rope, theirs, math.nan) for ours, theirs in names.items()}
+    if any(math.isnan(v) for v in scaling.values()):
+        raise ConvertError(f"config.json: llama3 rope parameters incomplete: {rope}")
+    return keys | scaling
+
+
+def flat_rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """The one set of rope parameters of a config.json: transformers >= 5 writes rope_parameters, older
+    files rope_theta and rope_scaling."""
+    return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> maxtrain model keys
+
+
 def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """maxtrain model keys for an HF config.json (keys it leaves out have transformers' defaults), or a
     ConvertError naming what is unsupported."""
@@ -104,32 +169,14 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     hf, defaults = with_defaults(hf), spec.hf.types[kind].defaults
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         positive_int(hf, key)
-    if hf.get("hidden_act") not in ("silu", "swish"):
-        raise ConvertError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ConvertError(f"config.json: {key}=true is not supported (maxtrain has q/k/v biases only, "
-                               f"as Qwen2)")
+    spec.hf.checks(hf)
     window = spec.hf.sliding_window(hf)
-    if window is not None:
-        raise ConvertError(f"config.json: sliding_window={window} is not supported (maxtrain attends over the "
-                           f"full context; Mistral v0.2 and later have none)")
-    # transformers >= 5 writes rope_parameters; older files have rope_theta and rope_scaling.
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ConvertError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3)")
-    if number({**hf, **rope}, "partial_rotary_factor", 1.0) != 1.0:
-        raise ConvertError("config.json: partial_rotary_factor is not supported (maxtrain rotates whole heads)")
-    scaling: dict[str, Any] = {"rope_scaling_factor": 1.0}  # the other three matter only with a factor
-    if rope_type == "llama3":
-        names = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
-                 "rope_high_freq_factor": "high_freq_factor"}
-        scaling = {ours: number(rope, theirs, math.nan) for ours, theirs in names.items()}
-        original = rope.get("original_max_position_embeddings")
-        if any(math.isnan(v) for v in scaling.values()) or not isinstance(original, int):
-            raise ConvertError(f"config.json: llama3 rope parameters incomplete: {rope}")
-        scaling["rope_original_max_position_embeddings"] = original
+    if window is not None and not spec.hf.windowed:
+        raise ConvertError(f"config.json: sliding_window={window} is not supported (maxtrain's {kind} attends over "
+                           f"the full context: a window on some layers only is not expressed)")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise ConvertError(f"config.json: sliding_window={window!r} is not a positive integer")
+    rope = spec.hf.rope(hf)
     heads = hf["num_attention_heads"]
     keys = {
         "vocab_size": hf["vocab_size"],
@@ -139,19 +186,30 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
         "base_mlp_dim": hf["intermediate_size"],
         "base_num_decoder_layers": hf["num_hidden_layers"],
-        "rope_theta": number(rope, "rope_theta", number(hf, "rope_theta", defaults["rope_theta"])),
         "normalization_layer_epsilon": number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
         "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
         "qkv_bias": False,
-        **scaling,
+        **PLAIN_VARIANTS,
+        "sliding_window_size": window or 0,
+        **rope_keys(rope, number(rope, "rope_theta", number(hf, "rope_theta", defaults["rope_theta"]))),
     }
     return keys | spec.hf.keys(hf, kind)
+
+
+def unexpressed(m: Keys, spec) -> str | None:
+    """The first variant key of model keys `m` that the family's HF types cannot carry, if any."""
+    return next((k for k, plain in PLAIN_VARIANTS.items() if m[k] != plain and k not in spec.hf.expresses), None)
 
 
 def hf_kind(m: Keys) -> str:
     """The HF model_type that export writes for maxtrain model keys `m`, or a ConvertError naming the key
     that none of them can express."""
-    return registry.spec_for(m).hf_kind(m)
+    spec = registry.spec_for(m)
+    key = unexpressed(m, spec) if spec.hf else None
+    if key:
+        raise ConvertError(f"{key}={m[key]!r}: no HF model of this family ({', '.join(spec.hf.types)}) has it (HF "
+                           f"export needs {PLAIN_VARIANTS[key]!r})")
+    return spec.hf_kind(m)
 
 
 def hf_config_for(m: Keys, dtype: str, source: dict[str, Any] | None, max_positions: int | None):
@@ -171,18 +229,30 @@ def hf_config_for(m: Keys, dtype: str, source: dict[str, Any] | None, max_positi
            "num_key_value_heads": m["base_num_kv_heads"], "head_dim": m["head_dim"],
            "rms_norm_eps": m["normalization_layer_epsilon"], "tie_word_embeddings": m["logits_via_embedding"],
            "dtype": dtype, "torch_dtype": dtype}
-    hf |= spec.hf.config(m, kind, hf)
     if max_positions:
         hf["max_position_embeddings"] = max_positions
-    rope = {"rope_type": "default", "rope_theta": m["rope_theta"]}
-    if m["rope_scaling_factor"] != 1.0:
-        rope |= {"rope_type": "llama3", "factor": m["rope_scaling_factor"],
-                 "low_freq_factor": m["rope_low_freq_factor"], "high_freq_factor": m["rope_high_freq_factor"],
-                 "original_max_position_embeddings": m["rope_original_max_position_embeddings"]}
+    rope = rope_parameters(m)
     # Both spellings: transformers >= 5 reads rope_parameters, older releases rope_theta + rope_scaling.
     hf |= {"rope_parameters": rope, "rope_theta": m["rope_theta"],
            "rope_scaling": rope if rope["rope_type"] != "default" else None}
-    return hf
+    if m["sliding_window_size"]:
+        hf["sliding_window"] = m["sliding_window_size"]
+    return hf | spec.hf.config(m, kind, hf)
+
+
+def rope_parameters(m: Keys, theta: float | None = None) -> dict[str, Any]:
+    """HF rope parameters for maxtrain model keys `m` (with `theta`: that base, unscaled)."""
+    if theta is not None or m["rope_scaling_factor"] == 1.0:
+        return {"rope_type": "default", "rope_theta": m["rope_theta"] if theta is None else theta}
+    rope = {"rope_type": m["rope_type"], "rope_theta": m["rope_theta"], "factor": m["rope_scaling_factor"]}
+    if m["rope_type"] == "llama3":
+        rope |= {"low_freq_factor": m["rope_low_freq_factor"], "high_freq_factor": m["rope_high_freq_factor"]}
+    if m["rope_type"] == "yarn":
+        rope |= {"beta_fast": m["rope_yarn_beta_fast"], "beta_slow": m["rope_yarn_beta_slow"],
+                 "truncate": m["rope_yarn_truncate"]}
+    if m["rope_type"] != "linear":
+        rope["original_max_position_embeddings"] = m["rope_original_max_position_embeddings"]
+    return rope
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,8 +279,14 @@ def tensor_table(m: Keys, fused_experts: bool = False) -> tuple[list[Tensor], li
         Tensor(("attention", "wo"), "self_attn.o_proj.weight", (d, h * k),
                lambda x: x.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T),
         Tensor(("attention_norm", "scale"), "input_layernorm.weight", (d,), same, same),
-        Tensor(("mlp_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same),
     ]
+    if m["use_post_attn_norm"]:  # Gemma's sandwich: post_attention_layernorm normalizes the attention's output
+        layer += [Tensor(("post_attention_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same),
+                  Tensor(("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", (d,), same, same)]
+    else:
+        layer.append(Tensor(("mlp_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same))
+    if m["use_post_ffw_norm"]:
+        layer.append(Tensor(("post_mlp_norm", "scale"), "post_feedforward_layernorm.weight", (d,), same, same))
     layer += registry.spec_for(m).hf.mlp_tensors(m, fused_experts)
     if m["use_qk_norm"]:  # Qwen3: RMSNorm over each head's q and k
         layer += [Tensor(("attention", "q_norm", "scale"), "self_attn.q_norm.weight", (k,), same, same),

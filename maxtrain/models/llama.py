@@ -1,21 +1,31 @@
-"""The dense decoder: Llama, Mistral (without a sliding window) and Qwen2 (q/k/v biases) in HF. Every
+"""The dense decoder: Llama, Mistral (with its sliding window, if any) and Qwen2 (q/k/v biases) in HF. Every
 dense config is this family's unless a narrower one claims it (Qwen3: q/k norms)."""
 
 from __future__ import annotations
 
 from maxtrain.models import decoder_spec, hf
+from maxtrain.runtime.errors import ConvertError
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
 _DEFAULTS = dict(zip(hf.SHAPE, (32000, 4096, 11008, 32, 32, None)))
 
 
 def _hf_kind(m: Keys) -> str:  # q/k norms: models/qwen3.py claims those configs
+    if m["sliding_window_size"]:
+        if m["qkv_bias"]:
+            raise ConvertError("qkv_bias=true with sliding_window_size: Mistral, the HF model with a window on "
+                               "every layer, has no q/k/v biases (HF export needs qkv_bias=false)")
+        return "mistral"
     return "qwen2" if m["qkv_bias"] else "llama"
 
 
 def _sliding_window(config: dict) -> int | None:
-    if config.get("model_type") == "qwen2":
-        return hf.layered_sliding_window(config)
+    if config.get("model_type") == "qwen2":  # a window on some layers only: not expressed
+        window = hf.layered_sliding_window(config)
+        if window is not None:
+            raise ConvertError(f"config.json: sliding_window={window} is not supported (Qwen2 slides on some layers "
+                               f"only, from max_window_layers on)")
+        return None
     return config.get("sliding_window")
 
 
@@ -37,6 +47,8 @@ HF = HFMapping(
     config=lambda m, kind, config: {},
     mlp_tensors=hf.swiglu_tensors,
     sliding_window=_sliding_window,
+    windowed=True,  # Mistral's, on every layer
+    expresses=("sliding_window_size",),
 )
 
 SPEC = register(ModelSpec(name="llama", matches=lambda m: m["num_experts"] == 1, hf_kind=_hf_kind, hf=HF,

@@ -39,6 +39,8 @@ HF = HFMapping(
     mlp_tensors=lambda m, fused: hf.expert_tensors(
         m, fused, "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
         "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+    windowed=True,
+    expresses=("sliding_window_size",),
 )
 
 SPEC = register(ModelSpec(name="mixtral", matches=lambda m: m["num_experts"] > 1 and not m["use_qk_norm"],

@@ -48,6 +48,18 @@ class HFMapping:
     mlp_tensors: Callable[[Keys, bool], list]
     # the window of any layer that slides, as transformers reads config.json `hf`; None: none slides
     sliding_window: Callable[[dict], int | None] = lambda hf: hf.get("sliding_window")
+    windowed: bool = False  # maxtrain expresses that window (sliding_window_size): else import refuses it
+    # what config.json must say beyond the shared checks (a ConvertError if not); default: hf.plain_checks
+    checks: Callable[[dict], None] | None = None
+    # the rope parameters of config.json's (global) layers; default: hf.flat_rope
+    rope: Callable[[dict], dict] | None = None
+    # variant keys (hf.PLAIN_VARIANTS) this family's HF types carry; export refuses any other set
+    expresses: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        from maxtrain.models import hf  # the shared defaults live beside the decoder layout
+        object.__setattr__(self, "checks", self.checks or hf.plain_checks)
+        object.__setattr__(self, "rope", self.rope or hf.flat_rope)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
                                                mutable=["intermediates"])
     total, ce_sum = loss.cross_entropy_loss(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
                                             loss_chunk_size or x_BxLxD.shape[1], model.args.logits_dot_in_fp32,
-                                            z_loss_multiplier, model.args.vocab)
+                                            z_loss_multiplier, model.args.vocab, model.args.final_softcap)
     tokens = jnp.sum(weights_BxL)
     aux = {"loss_sum": ce_sum, "tokens": tokens}
     if model.args.num_experts > 1:
