@@ -13,6 +13,7 @@ from maxtrain.config import load as config_lib
 from maxtrain.models import hf as hf_format, registry
 from maxtrain.runtime.errors import ConvertError
 
+from conftest import decode
 from test_convert import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
@@ -112,3 +113,71 @@ def test_a_variant_llama_cannot_carry_is_refused_at_export():
     assert registry.spec_for(dict(c)).name == "llama"
     with pytest.raises(ConvertError, match="attention_sinks=True: no HF model of this family"):
         hf_format.hf_kind(dict(c))
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "mistral-window"])
+def test_greedy_generation_matches_transformers(tmp_path, kind):
+    model, out = imported(tmp_path, kind)
+    c, trainer, params = load_maxtrain(out / "maxtrain.yml")
+    prompt = [5, 17, 90, 3, 42, 11, 60, 7]  # and 16 new tokens: well past the window of 6
+    ours = decode(c, trainer, params, [prompt], 16)[0]
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(ours) == 16 and ours == ref
+
+
+# Sequences of 32 over windows of 8: sliding layers slide; 4 layers, every 2nd global (gemma3-tiny's own
+# pattern is 5:1 over 6 layers).
+MESH_MODELS = {"gemma3-tiny": ("model_name=gemma3-tiny", "sliding_window_size=8", "global_layer_interval=2",
+                               "base_num_decoder_layers=4"),
+               "mistral-window": ("sliding_window_size=8",)}
+MESHES = {"fsdp4xtensor2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
+          "expert4xfsdp2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MESH_MODELS))
+def test_the_same_losses_on_every_mesh(train_tiny, model):
+    """5 steps of training in float32 on 1 device and on 8-device meshes: the same sums in other orders."""
+    keys = (*MESH_MODELS[model], "dtype=float32")
+    one = train_tiny(*keys, "per_device_batch_size=8", "run_name=one", n_devices=1)["losses"]
+    assert len(one) == 5 and one[-1] < one[0]
+    for name, mesh in MESHES.items():
+        losses = train_tiny(*keys, *mesh, f"run_name={name}")["losses"]
+        np.testing.assert_allclose(losses, one, rtol=1e-5, err_msg=name)
+
+
+def test_the_fused_loss_with_a_final_soft_cap_matches_autodiff():
+    import jax
+    import jax.numpy as jnp
+    from maxtrain.training.loss import cross_entropy_loss
+    rng = np.random.RandomState(0)
+    x, w = jnp.asarray(rng.randn(2, 8, 16), jnp.float32), jnp.asarray(rng.randn(16, 128), jnp.float32)
+    targets, weights = jnp.asarray(rng.randint(0, 100, (2, 8))), jnp.ones((2, 8), jnp.float32)
+
+    def reference(x, w):
+        logits = 3.0 * jnp.tanh((x @ w) / 3.0)
+        logits = jnp.where(jnp.arange(128) < 100, logits, -jnp.inf)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        return jnp.sum(log_z - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0])
+
+    for chunk in (8, 4):
+        fused = lambda x, w: cross_entropy_loss(x, w, targets, weights, chunk, True, vocab=100, softcap=3.0)[0]  # noqa: E731
+        np.testing.assert_allclose(fused(x, w), reference(x, w), rtol=1e-5)
+        for ours, theirs in zip(jax.grad(fused, (0, 1))(x, w), jax.grad(reference, (0, 1))(x, w)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_gemma_trains_with_chunks_and_int8(train_tiny):
+    """A Gemma 2-like tiny model (soft caps, alternating windows): the loss and MLP in chunks give the same
+    losses; int8 matmuls (Qwix, the attention and MLP projections) train too."""
+    keys = ("model_name=gemma3-tiny", "use_qk_norm=false", "local_rope_theta=-1", "attn_logit_softcapping=20",
+            "final_logit_softcapping=10", "sliding_window_size=8", "global_layer_interval=2",
+            "base_num_decoder_layers=2")
+    plain = train_tiny(*keys, "run_name=plain")["losses"]
+    chunked = train_tiny(*keys, "loss_chunk_size=8", "mlp_chunk_size=8", "run_name=chunked")["losses"]
+    np.testing.assert_allclose(chunked, plain, rtol=1e-5)
+    int8 = train_tiny(*keys, "quantization=int8", "run_name=int8")["losses"]
+    assert np.all(np.isfinite(int8)) and int8[-1] < int8[0]
+    assert np.abs(np.asarray(int8) - plain).max() > 0  # the matmuls really were quantized

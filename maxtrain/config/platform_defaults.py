@@ -68,7 +68,18 @@ def summary(c) -> str:
     quantized = f" | {c.quantization} matmuls ({c.quantization_targets})" if c.quantization else ""
     unrolled = f" | {c.scan_unroll} layers per loop iteration" if c.scan_layers and c.scan_unroll > 1 else ""
     pipeline = f" | {c.plan.schedule.describe()}" if c.plan.schedule.active else ""
-    return f"{c.dtype} | attention {c.attention}{text}{moe}{quantized}{unrolled}{pipeline}"
+    return f"{c.dtype} | attention {c.attention}{window_summary(c)}{text}{moe}{quantized}{unrolled}{pipeline}"
+
+
+def window_summary(c) -> str:
+    """' (window W on S of N layers, sinks)' and the like: what the attention does besides the causal mask."""
+    layers, every, window = c.base_num_decoder_layers, c.global_layer_interval, c.sliding_window_size
+    parts = []
+    if window:
+        sliding = layers - (layers // every if every else 0)
+        parts.append(f"window {window} on {sliding} of {layers} layers")
+    parts += ["sinks"] * bool(c.attention_sinks) + ["soft cap"] * bool(c.attn_logit_softcapping)
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def auto_chunks(c: dict[str, Any]) -> None:
