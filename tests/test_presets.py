@@ -16,6 +16,7 @@ PUBLISHED = {
     "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen2.5-72b": 72_706_203_648,
     "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "smollm2-1.7b": 1_711_376_384,
     "tinyllama-1.1b": 1_100_048_384, "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624,
+    "gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672,
 }
 NO_HF_CLASS = {"deepseek-v3-gqa"}  # DeepSeek's MoE on Llama attention: counted in test_moe against our model
 PRESETS = sorted(p.stem for p in (config_lib.CONFIG_DIR / "models").glob("*.yml") if p.stem not in NO_HF_CLASS)

@@ -102,20 +102,21 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if spec is None:
         raise ConvertError(f"config.json: model_type {kind!r} is not supported (supported: {', '.join(supported())})")
     hf, defaults = with_defaults(hf), spec.hf.types[kind].defaults
+    own = spec.hf.handles  # checks the family's `keys` makes itself
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         positive_int(hf, key)
-    if hf.get("hidden_act") not in ("silu", "swish"):
+    if "hidden_act" not in own and hf.get("hidden_act") not in ("silu", "swish"):
         raise ConvertError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+        if hf.get(key) and key not in own:
             raise ConvertError(f"config.json: {key}=true is not supported (maxtrain has q/k/v biases only, "
                                f"as Qwen2)")
-    window = spec.hf.sliding_window(hf)
+    window = None if "sliding_window" in own else spec.hf.sliding_window(hf)
     if window is not None:
         raise ConvertError(f"config.json: sliding_window={window} is not supported (maxtrain attends over the "
                            f"full context; Mistral v0.2 and later have none)")
     # transformers >= 5 writes rope_parameters; older files have rope_theta and rope_scaling.
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope = {} if "rope" in own else {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ConvertError(f"config.json: rope type {rope_type!r} is not supported (supported: default, llama3)")
@@ -171,9 +172,12 @@ def hf_config_for(m: Keys, dtype: str, source: dict[str, Any] | None, max_positi
            "num_key_value_heads": m["base_num_kv_heads"], "head_dim": m["head_dim"],
            "rms_norm_eps": m["normalization_layer_epsilon"], "tie_word_embeddings": m["logits_via_embedding"],
            "dtype": dtype, "torch_dtype": dtype}
-    hf |= spec.hf.config(m, kind, hf)
+    family = spec.hf.config(m, kind, hf)
+    hf |= family
     if max_positions:
         hf["max_position_embeddings"] = max_positions
+    if "rope_parameters" in family:  # the family writes its own RoPE (gpt-oss: yarn)
+        return hf
     rope = {"rope_type": "default", "rope_theta": m["rope_theta"]}
     if m["rope_scaling_factor"] != 1.0:
         rope |= {"rope_type": "llama3", "factor": m["rope_scaling_factor"],
@@ -219,6 +223,10 @@ def tensor_table(m: Keys, fused_experts: bool = False) -> tuple[list[Tensor], li
         layer += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
                   Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
                   Tensor(("attention", "bv"), "self_attn.v_proj.bias", (n * k,), *bias(n))]
+    if m["attention_out_bias"]:  # gpt-oss
+        layer.append(Tensor(("attention", "bo"), "self_attn.o_proj.bias", (d,), same, same))
+    if m["attention_sinks"]:  # gpt-oss
+        layer.append(Tensor(("attention", "sinks"), "self_attn.sinks", (h,), same, same))
     rows, cut = _vocab_padding(v)
     whole = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), rows, cut),
              Tensor(("final_norm", "scale"), "model.norm.weight", (d,), same, same)]

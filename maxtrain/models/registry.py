@@ -48,6 +48,9 @@ class HFMapping:
     mlp_tensors: Callable[[Keys, bool], list]
     # the window of any layer that slides, as transformers reads config.json `hf`; None: none slides
     sliding_window: Callable[[dict], int | None] = lambda hf: hf.get("sliding_window")
+    # the shared checks of maxtrain.models.hf.model_keys_from_hf that `keys` makes itself instead:
+    # "hidden_act", "attention_bias", "sliding_window", "rope" (its type, theta and scaling keys)
+    handles: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
