@@ -263,3 +263,25 @@ def test_biases_and_sinks_take_no_weight_decay_and_all_train():
     assert {k for k, v in decayed["attention"].items() if v} == {"wq"}
     assert all(jax.tree.leaves(spec.trained(params)))
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on every mesh
+
+GPT_OSS_TINY = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true", "qkv_bias=true",
+                "attention_out_bias=true", "attention_sinks=true", "sliding_window_size=8", "global_layer_interval=2",
+                "rope_type=yarn", "rope_scaling_factor=4.0", "rope_original_max_position_embeddings=16",
+                "rope_yarn_truncate=false", *GPT_OSS_MOE)
+
+
+@pytest.mark.slow
+def test_the_same_losses_on_every_mesh(train_tiny):
+    """5 steps of training, float32, sequences of 4 windows: one device, fsdp 4 x tensor 2, expert 4 x fsdp 2."""
+    runs = {"one": train_tiny(*GPT_OSS_TINY, "per_device_batch_size=8", "run_name=one", n_devices=1)["losses"],
+            "fsdp4xtensor2": train_tiny(*GPT_OSS_TINY, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2",
+                                        "run_name=ft")["losses"],
+            "expert4xfsdp2": train_tiny(*GPT_OSS_TINY, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
+                                        "run_name=ef")["losses"]}
+    assert len(runs["one"]) == 5 and runs["one"][-1] < runs["one"][0]
+    for name, losses in runs.items():
+        np.testing.assert_allclose(losses, runs["one"], rtol=1e-5, err_msg=name)

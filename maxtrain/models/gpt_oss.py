@@ -167,6 +167,6 @@ HF = HFMapping(
 
 NOT_DECAYED = (*decoder_spec.NOT_DECAYED, "sinks", "bo", "bi_gate", "bi_up", "router_logit_bias")
 
-SPEC = register(ModelSpec(name="gpt_oss", matches=lambda m: m["num_experts"] > 1 and m["attention_sinks"],
+SPEC = register(ModelSpec(name="gpt_oss", matches=lambda m: m["num_experts"] > 1 and bool(m.get("attention_sinks")),
                           hf_kind=_hf_kind, hf=HF, priority=2,
                           **decoder_spec.spec_parts(not_decayed=NOT_DECAYED)))

@@ -223,9 +223,9 @@ def tensor_table(m: Keys, fused_experts: bool = False) -> tuple[list[Tensor], li
         layer += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
                   Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
                   Tensor(("attention", "bv"), "self_attn.v_proj.bias", (n * k,), *bias(n))]
-    if m["attention_out_bias"]:  # gpt-oss
+    if m.get("attention_out_bias"):  # gpt-oss (keys from config.json name it only where a family has it)
         layer.append(Tensor(("attention", "bo"), "self_attn.o_proj.bias", (d,), same, same))
-    if m["attention_sinks"]:  # gpt-oss
+    if m.get("attention_sinks"):  # gpt-oss
         layer.append(Tensor(("attention", "sinks"), "self_attn.sinks", (h,), same, same))
     rows, cut = _vocab_padding(v)
     whole = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), rows, cut),
