@@ -288,10 +288,10 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
                                f"checkpoint {m[differ[0]]!r})")
     dtype = dtype or np.dtype(ckpt.metadata["embedding"].dtype).name
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
-    whole, layer = tensor_table(m)
+    whole, layer = tensor_table(m, joined=True)  # a joined tensor goes out with the parameter it joins
 
-    def split(t: Tensor, i: int, x):  # (HF name, HF array) of a layer's parameter: one, or one per expert
-        return zip(hf_names(t, i), (t.to_hf(x[e]) for e in range(t.experts)) if t.experts else [t.to_hf(x)])
+    def split(t: Tensor, i: int, x, joined):  # (HF name, HF array) of a layer's parameter: one, or one per expert
+        return zip(hf_names(t, i), (t.to_hf(x[e]) for e in range(t.experts)) if t.experts else [t.to_hf(x, *joined)])
 
     def tensors():  # (HF name, HF array), one at a time
         for t in whole:
@@ -299,14 +299,14 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
         for stack, layers in layer_stacks(m):
             if m["scan_layers"]:
                 for t in layer:
-                    stacked = ckpt.read(stack, *t.path)
+                    stacked, joined = ckpt.read(stack, *t.path), [ckpt.read(stack, *path) for path in t.joins]
                     for j, i in enumerate(layers):
-                        yield from split(t, i, stacked[j])
+                        yield from split(t, i, stacked[j], [x[j] for x in joined])
             else:
                 for i in layers:
                     params_i = ckpt.read(stacks_lib.unrolled(i))
                     for t in layer:
-                        yield from split(t, i, _get(params_i, t.path))
+                        yield from split(t, i, _get(params_i, t.path), [_get(params_i, p) for p in t.joins])
 
     from safetensors.numpy import save_file
     with staged(out_path) as tmp:

@@ -17,6 +17,7 @@ PUBLISHED = {
     "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "smollm2-1.7b": 1_711_376_384,
     "tinyllama-1.1b": 1_100_048_384, "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624,
     "mistral-7b-v0.1": 7_241_732_096, "gemma3-1b": 999_885_952,  # Gemma 3 4B/12B/27B are multimodal checkpoints: their text decoders are checked above
+    "gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672,
 }
 NO_HF_CLASS = {"deepseek-v3-gqa"}  # DeepSeek's MoE on Llama attention: counted in test_moe against our model
 PRESETS = sorted(p.stem for p in (config_lib.CONFIG_DIR / "models").glob("*.yml") if p.stem not in NO_HF_CLASS)

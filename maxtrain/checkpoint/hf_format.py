@@ -27,6 +27,9 @@ class Tensor:
     to_maxtrain: Callable[[np.ndarray], np.ndarray]  # with experts: one expert's
     to_hf: Callable[[np.ndarray], np.ndarray] | None  # None: read only (transformers' fused expert layout)
     experts: int = 0       # > 0: one HF tensor per expert, stacked on maxtrain's leading experts axis
+    # export: more maxtrain parameters (paths as `path`) that to_hf takes after this one, for an HF tensor
+    # that holds several (gpt-oss's gate_up_proj); the others' Tensors have to_hf None
+    joins: tuple[tuple[str, ...], ...] = ()
 
 
 def layer_name(i: int, t: Tensor) -> str:

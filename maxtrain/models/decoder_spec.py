@@ -43,15 +43,20 @@ def count_params(m: Keys, active: bool = False) -> int:
     attention += hd * (h + 2 * kv) if m["qkv_bias"] else 0
     attention += 2 * hd if m["use_qk_norm"] else 0
     attention += d * (m["use_post_attn_norm"] + m["use_post_ffw_norm"])  # sandwich norms
+    attention += (h if m["attention_sinks"] else 0) + (d if m["attention_out_bias"] else 0)  # gpt-oss
+    mlp_bias = (lambda width: 2 * width + d) if m["mlp_bias"] else (lambda width: 0)  # noqa: E731  gate, up, down
     dense_layers, moe_layers = _layer_counts(m)
     moe = 0
     if moe_layers:
+        f = moe_width(m)
         routed = m["num_experts_per_tok"] if active else m["num_experts"]
-        moe = d * m["num_experts"] + 3 * d * moe_width(m) * (routed + m["shared_experts"])
+        moe = d * m["num_experts"] + 3 * d * f * (routed + m["shared_experts"])
         moe += m["num_experts"] if m["routed_bias"] and not active else 0
+        moe += m["num_experts"] if m["router_logit_bias"] else 0
+        moe += routed * mlp_bias(f) + (mlp_bias(m["shared_experts"] * f) if m["shared_experts"] else 0)
     embeddings = m["vocab_size"] * d * (1 if m["logits_via_embedding"] else 2)
-    return (dense_layers * (attention + 3 * d * m["base_mlp_dim"]) + moe_layers * (attention + moe)
-            + embeddings + d)
+    dense_mlp = 3 * d * m["base_mlp_dim"] + mlp_bias(m["base_mlp_dim"])
+    return dense_layers * (attention + dense_mlp) + moe_layers * (attention + moe) + embeddings + d
 
 
 def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = True) -> float:

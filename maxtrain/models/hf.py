@@ -134,8 +134,10 @@ def rope_keys(rope: dict[str, Any], theta: float) -> dict[str, Any]:
         raise ConvertError(f"config.json: {rope_type} rope parameters need original_max_position_embeddings: {rope}")
     keys["rope_original_max_position_embeddings"] = original
     if rope_type == "yarn":
-        if rope.get("attention_factor") is not None or rope.get("mscale") or rope.get("mscale_all_dim"):
-            raise ConvertError(f"config.json: yarn's attention_factor / mscale are not supported: {rope}")
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            if rope.get(key) is not None:
+                raise ConvertError(f"config.json: yarn {key}={rope[key]!r} is not supported (cos and sin scale by "
+                                   f"0.1 ln(factor) + 1)")
         return keys | {"rope_yarn_beta_fast": number(rope, "beta_fast", 32.0) or 32.0,
                        "rope_yarn_beta_slow": number(rope, "beta_slow", 1.0) or 1.0,
                        "rope_yarn_truncate": bool(rope.get("truncate", True))}
@@ -259,9 +261,10 @@ def rope_parameters(m: Keys, theta: float | None = None) -> dict[str, Any]:
 # Tensors
 
 
-def tensor_table(m: Keys, fused_experts: bool = False) -> tuple[list[Tensor], list[Tensor]]:
+def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False) -> tuple[list[Tensor], list[Tensor]]:
     """(whole-model tensors, per-layer tensors) for maxtrain model keys `m`; an MoE model's experts in
-    the per-expert file layout, or with `fused_experts` in transformers' fused layout (import only)."""
+    the per-expert file layout, or with `fused_experts` in transformers' fused layout (import only).
+    `joined` (export): without the parameters that another's tensor carries (Tensor.joins)."""
     d, h, n, k, v = (m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"],
                      m["vocab_size"])
     same = lambda x: x  # noqa: E731
@@ -295,12 +298,16 @@ def tensor_table(m: Keys, fused_experts: bool = False) -> tuple[list[Tensor], li
         layer += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
                   Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
                   Tensor(("attention", "bv"), "self_attn.v_proj.bias", (n * k,), *bias(n))]
+    if m["attention_out_bias"]:  # gpt-oss
+        layer.append(Tensor(("attention", "bo"), "self_attn.o_proj.bias", (d,), same, same))
+    if m["attention_sinks"]:  # gpt-oss
+        layer.append(Tensor(("attention", "sinks"), "self_attn.sinks", (h,), same, same))
     rows, cut = _vocab_padding(v)
     whole = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), rows, cut),
              Tensor(("final_norm", "scale"), "model.norm.weight", (d,), same, same)]
     if not m["logits_via_embedding"]:
         whole.append(Tensor(("output",), "lm_head.weight", (v, d), lambda x: rows(x).T, lambda w: cut(w.T)))
-    return whole, layer
+    return whole, [t for t in layer if t.to_hf] if joined else layer
 
 
 def _vocab_padding(v: int):

@@ -1,5 +1,6 @@
 """Mixture-of-experts MLP: a drop-in for maxtrain.models.layers.MLP. A router picks `num_experts_per_tok` experts per
-token; each expert is a SwiGLU; the token's output is the weighted sum of its experts' outputs.
+token; each expert is a gated MLP (SwiGLU, or the model's mlp_activation; biases with mlp_bias); the token's
+output is the weighted sum of its experts' outputs.
 
 Routing (softmax or sigmoid scores, top-k, optional renormalisation and DeepSeek-V3's selection bias),
 the auxiliary losses and the capacity rule are plain array code over the whole batch, so GSPMD sees
@@ -13,6 +14,7 @@ assignments, G experts on a device, F expert width, S rows a device sends to eac
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -24,7 +26,7 @@ import numpy as np
 from maxtrain.models import stacks as stacks_lib
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.axes import EXPERT_WEIGHT_AXES
-from maxtrain.models.layers import MLP, dense_weight
+from maxtrain.models.layers import MLP, activate, bias, dense_weight
 
 
 
@@ -42,24 +44,42 @@ class MoEBlock(nn.Module):
         if a.routed_bias:  # DeepSeek-V3's balancing bias: not trained, moved by the train step (step.py)
             bias_E = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                                 (e,), jnp.float32)
-        weights_BxLxK, experts_BxLxK = self.route(x_BxLxD, router_DxE, bias_E)
+        logit_bias_E = None
+        if a.router_logit_bias:  # gpt-oss: trained with the router, float32 as the routing math
+            logit_bias_E = self.param("router_logit_bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                                        (None,)), (e,), jnp.float32)
+        weights_BxLxK, experts_BxLxK = self.route(x_BxLxD, router_DxE, bias_E, logit_bias_E)
 
         gate_ExDxF = dense_weight(self, "wi_gate", (e, a.embed, f), EXPERT_WEIGHT_AXES, fan_in=(1,))
         up_ExDxF = dense_weight(self, "wi_up", (e, a.embed, f), EXPERT_WEIGHT_AXES, fan_in=(1,))
         down_ExFxD = dense_weight(self, "wo", (e, f, a.embed), ("experts", "moe_mlp", "embed"), fan_in=(1,))
+        biases = None
+        if a.mlp_bias:  # gpt-oss: each expert's gate and up biases go into the grouped matmuls
+            biases = (bias(self, "bi_gate", (e, f), ("experts", "moe_mlp")),
+                      bias(self, "bi_up", (e, f), ("experts", "moe_mlp")))
         cap = capacity(a, x_BxLxD.shape[1]) if a.capacity_factor > 0 else None
-        y_BxLxD = a.plan.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK.astype(a.dtype),
-                                    (gate_ExDxF, up_ExDxF, down_ExFxD), cap)
+        weights_BxLxK = weights_BxLxK.astype(a.dtype)
+        y_BxLxD = a.plan.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, (gate_ExDxF, up_ExDxF, down_ExFxD), cap,
+                                    biases, functools.partial(activate, a=a))
+        if a.mlp_bias:  # the down bias: sum_k w_k bias[e_k], outside the experts' work (so once under tensor
+            # parallelism's psum); a dropped assignment (expert e) picks none
+            down_bias_ExD = bias(self, "bo", (e, a.embed), ("experts", "embed"))
+            picked_BxLxE = jnp.einsum("blk,blke->ble", weights_BxLxK, jax.nn.one_hot(experts_BxLxK, e, dtype=a.dtype))
+            y_BxLxD = y_BxLxD + jnp.einsum("ble,ed->bld", picked_BxLxE, down_bias_ExD)
         if a.shared_experts:  # always-on experts (DeepSeek, Qwen2-MoE), one SwiGLU of their joint width
             y_BxLxD = y_BxLxD + MLP(a, width=a.shared_experts * f, name="shared")(x_BxLxD)
         return y_BxLxD
 
-    def route(self, x_BxLxD, router_DxE, bias_E):
+    def route(self, x_BxLxD, router_DxE, bias_E, logit_bias_E=None):
         """(weights [B,L,K] float32, experts [B,L,K]; num_experts marks a dropped assignment). Records
-        each layer's auxiliary losses and expert load as intermediates."""
+        each layer's auxiliary losses and expert load as intermediates. `logit_bias_E` (gpt-oss) joins
+        the logits before scoring and choosing: softmax, top-k, renormalised is gpt-oss's softmax over
+        the top-k logits."""
         a = self.args
         e, k = a.num_experts, a.experts_per_token
         logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
+        if logit_bias_E is not None:
+            logits_BxLxE = logits_BxLxE + logit_bias_E
         if a.routed_score_func == "softmax":
             scores_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
             probs_BxLxE = scores_BxLxE

@@ -39,25 +39,29 @@ def sort_by_group(groups_A, num_groups: int):
 MEGABLOX_INTERPRET = False  # tests run the TPU kernel in Pallas' interpreter on CPU
 
 
-def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str):
-    """`megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and tgmm for the weight gradient).
+def row_bias(bias_GxF, group_sizes_G, rows: int, dtype):
+    """[rows, F]: each row's group's bias, for rows sorted by group; zero for rows past the groups (so a
+    grouped matmul plus its bias still gives 0 there). A one-hot matmul: its gradient is a matmul too."""
+    g = group_sizes_G.shape[0]
+    group_M = jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(rows), side="right")  # g: past the groups
+    return jax.nn.one_hot(group_M, g, dtype=dtype) @ bias_GxF.astype(dtype)
+
+
+def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None):
+    """x times its group's w (plus its group's bias, if any). `megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and tgmm for the weight gradient).
     `ragged_dot`: XLA's grouped matmul (GPU); XLA:TPU forms its weight gradient through a [groups, rows,
     width] mask (gigabytes a layer at Mixtral's size) and XLA:CPU expands it into a dense matmul per group
     (G times the work), so on CPU `blocked` walks blocks of rows, one group each."""
     if method == "ragged_dot":
-        return jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
-    if method == "megablox":
-        return _megablox(x_MxD, w_GxDxF, group_sizes_G)
-    return _blocked(x_MxD, w_GxDxF, group_sizes_G)
+        y_MxF = jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
+        return y_MxF if bias_GxF is None else y_MxF + row_bias(bias_GxF, group_sizes_G, x_MxD.shape[0], y_MxF.dtype)
+    run = megablox_swiglu if method == "megablox" else blocked_swiglu
+    return run(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0), (bias_GxF,))
 
 
-def _megablox(x_MxD, w_GxDxF, group_sizes_G):
-    return megablox_swiglu(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0))
-
-
-def megablox_swiglu(xs_MxD, group_sizes_G, weights, body):
+def megablox_swiglu(xs_MxD, group_sizes_G, weights, body, biases=()):
     """`body(x, matmul)` on the rows padded to whole tiles, `matmul(x, i)` JAX's Pallas gmm with weights[i]
-    (tgmm for its gradient). The kernels leave rows past the groups unwritten, in the output and in x's
+    (tgmm for its gradient), plus each row's group's biases[i] where there is one. The kernels leave rows past the groups unwritten, in the output and in x's
     gradient, and tgmm reads only rows inside groups; rows never mix between the matmuls. So selecting
     those rows away at the two ends of `body` keeps them out of every result and gradient (a select, not
     a product: whatever they hold never reaches a gradient). A select after each matmul kept a second
@@ -72,8 +76,10 @@ def megablox_swiglu(xs_MxD, group_sizes_G, weights, body):
 
     def matmul(x_PxK, i):
         k, n = weights[i].shape[1:]
-        return ops.gmm(x_PxK, weights[i], group_sizes_G, x_PxK.dtype, (tm, min(1024, k), min(1024, n)), None,
-                       None, False, MEGABLOX_INTERPRET)
+        y_PxN = ops.gmm(x_PxK, weights[i], group_sizes_G, x_PxK.dtype, (tm, min(1024, k), min(1024, n)), None,
+                        None, False, MEGABLOX_INTERPRET)
+        b = biases[i] if i < len(biases) else None
+        return y_PxN if b is None else y_PxN + row_bias(b, group_sizes_G, padded, y_PxN.dtype)
     return jnp.where(in_group_Px1, body(x_PxD, matmul), 0)[:m]
 
 
@@ -97,13 +103,10 @@ def _block_layout(group_sizes_G, rows: int, block: int):
     return source_R, block_group_N, padded_M, in_group_M
 
 
-def _blocked(x_MxD, w_GxDxF, group_sizes_G):
-    return blocked_swiglu(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0))
-
-
-def blocked_swiglu(xs_MxD, group_sizes_G, weights, body):
+def blocked_swiglu(xs_MxD, group_sizes_G, weights, body, biases=()):
     """`body(x, matmul)` on rows padded into blocks, one group each: `matmul(x, i)` multiplies
-    every block by its group's copy of weights[i] in one batched matmul. The rows are padded once and
+    every block by its group's copy of weights[i] in one batched matmul (adding its copy of biases[i],
+    where there is one). The rows are padded once and
     unpadded once around the whole body (permutations as gathers in both directions), and each block's
     matrix is picked by a one-hot matmul, whose gradient is a matmul too: no scatters, which are slow on
     XLA:CPU. Fine for the small models a CPU trains."""
@@ -118,6 +121,8 @@ def blocked_swiglu(xs_MxD, group_sizes_G, weights, body):
 
     def matmul(x_NxBxD, i):
         w_NxDxF = jnp.einsum("ng,gdf->ndf", pick_NxG, weights[i])
-        return jnp.einsum("nbd,ndf->nbf", x_NxBxD, w_NxDxF)
+        y_NxBxF = jnp.einsum("nbd,ndf->nbf", x_NxBxD, w_NxDxF)
+        b = biases[i] if i < len(biases) else None
+        return y_NxBxF if b is None else y_NxBxF + (pick_NxG @ b.astype(pick_NxG.dtype))[:, None, :]
     yp_NxBxF = body(permute_rows(xs_MxD, source_R, padded_M).reshape(-1, block, d), matmul)
     return permute_rows(yp_NxBxF.reshape(source_R.shape[0], -1), padded_M, source_R)

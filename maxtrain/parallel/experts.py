@@ -25,35 +25,47 @@ from maxtrain.parallel.chunks import merge_chunks, split_chunks
 from maxtrain.parallel.rules import active_axes, splits_evenly
 
 
+def silu_glu(gate, up):
+    return nn.silu(gate) * up
+
+
 def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, matmul: str, chunk: int = 0,
-               policy: str = "none"):
+               policy: str = "none", biases=None, activation=silu_glu):
     """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh by shard_map; with
-    `chunk`, that many positions at a time, each chunk rematerialized under `policy`."""
+    `chunk`, that many positions at a time, each chunk rematerialized under `policy`. `biases`: the
+    experts' gate and up biases [E, F] (gpt-oss), added per row by its expert; `activation(gate, up)`
+    the hidden activation. The down projection's bias is the caller's: outside the experts' matmuls it
+    is the routing weights times the chosen experts' biases, the same on every mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     batch_axes, length_axes, _ = active_axes(ACTIVATION_AXES)
     if mesh.empty or mesh.size == 1 or not splits_evenly(ACTIVATION_AXES[:2], x_BxLxD.shape[:2]):
         # one device, or a batch the mesh cannot split (the init's shape probe, generating one sequence):
         # the same computation for GSPMD to place
-        return _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights, expert_axes=(), embed_axes=(),
-                                 mlp_axes=(), cap=cap, matmul=matmul, chunk=chunk, policy=policy)
+        return _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights, biases, expert_axes=(),
+                                 embed_axes=(), mlp_axes=(), cap=cap, matmul=matmul, chunk=chunk, policy=policy,
+                                 activation=activation)
     expert_axes, embed_axes, mlp_axes = active_axes(EXPERT_WEIGHT_AXES)
     local = functools.partial(_local_expert_mlp, expert_axes=expert_axes, embed_axes=embed_axes,
-                              mlp_axes=mlp_axes, cap=cap, matmul=matmul, chunk=chunk, policy=policy)
+                              mlp_axes=mlp_axes, cap=cap, matmul=matmul, chunk=chunk, policy=policy,
+                              activation=activation)
     tokens = PartitionSpec(batch_axes or None, length_axes or None)  # context parallelism: each its positions
     weight_spec = PartitionSpec(expert_axes or None, embed_axes or None, mlp_axes or None)
     down_spec = PartitionSpec(expert_axes or None, mlp_axes or None, embed_axes or None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, weight_spec, weight_spec, down_spec),
-                         out_specs=tokens, check_vma=False)(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights)
+    bias_spec = PartitionSpec(expert_axes or None, mlp_axes or None)  # (None: no leaves, any spec fits)
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(tokens, tokens, tokens, weight_spec, weight_spec, down_spec, bias_spec),
+                         out_specs=tokens, check_vma=False)(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights, biases)
 
 
-def _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, gate_GxDxF, up_GxDxF, down_GxFxD, *,
-                      expert_axes, embed_axes, mlp_axes, cap, matmul, chunk, policy):
+def _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, gate_GxDxF, up_GxDxF, down_GxFxD, biases, *,
+                      expert_axes, embed_axes, mlp_axes, cap, matmul, chunk, policy, activation):
     if embed_axes:  # fsdp: gather the experts' embed dimension (its transpose reduce-scatters the gradient)
         gate_GxDxF, up_GxDxF = (jax.lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (gate_GxDxF, up_GxDxF))
         down_GxFxD = jax.lax.all_gather(down_GxFxD, embed_axes, axis=2, tiled=True)
     weights = (gate_GxDxF, up_GxDxF, down_GxFxD)
     length = x_BxLxD.shape[1]
-    run = functools.partial(_route_and_compute, weights=weights, expert_axes=expert_axes, cap=cap, matmul=matmul)
+    run = functools.partial(_route_and_compute, weights=weights, biases=biases or (), expert_axes=expert_axes,
+                            cap=cap, matmul=matmul, activation=activation)
     if chunk <= 0 or length % chunk or length == chunk:
         y_BxLxD = run(x_BxLxD, experts_BxLxK, weights_BxLxK)
     else:  # long sequences: the [assignments, expert width] intermediates exist one chunk at a time
@@ -66,7 +78,8 @@ def _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, gate_GxDxF, up_GxDx
     return y_BxLxD
 
 
-def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, expert_axes, cap, matmul):
+def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, biases, expert_axes, cap, matmul,
+                       activation):
     """This device's tokens through their experts: sorted by expert, exchanged (expert parallelism),
     multiplied, and summed back per token with the routing weights."""
     gate_GxDxF, up_GxDxF, down_GxFxD = weights
@@ -79,14 +92,14 @@ def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, expert
     def swiglu(x, gmm):
         gate = checkpoint_name(gmm(x, 0), remat.MLP_IN)
         up = checkpoint_name(gmm(x, 1), remat.MLP_IN)
-        return checkpoint_name(gmm(nn.silu(gate) * up, 2), remat.MLP_OUT)
+        return checkpoint_name(gmm(activation(gate, up), 2), remat.MLP_OUT)
 
     def mlp(xs_MxD, group_sizes_G):  # blocked and megablox pad once for the three matmuls
         if matmul in ("blocked", "megablox"):
             run = blocked_swiglu if matmul == "blocked" else megablox_swiglu
-            return run(xs_MxD, group_sizes_G, (gate_GxDxF, up_GxDxF, down_GxFxD), swiglu)
+            return run(xs_MxD, group_sizes_G, (gate_GxDxF, up_GxDxF, down_GxFxD), swiglu, biases)
         return swiglu(xs_MxD, lambda x, i: grouped_matmul(x, (gate_GxDxF, up_GxDxF, down_GxFxD)[i],
-                                                         group_sizes_G, matmul))
+                                                         group_sizes_G, matmul, biases[i] if i < len(biases) else None))
 
     peers = _size(expert_axes)
     order_A, inverse_A, sizes_E = sort_by_group(experts_A, local_experts * peers)

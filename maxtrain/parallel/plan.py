@@ -75,10 +75,11 @@ class Plan:
     def embed(self, embedding_VxD, tokens_BxL, dtype):
         return embedding.lookup(embedding_VxD, tokens_BxL, dtype)
 
-    def expert_mlp(self, x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None):
-        """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh."""
+    def expert_mlp(self, x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, biases=None,
+                   activation=experts.silu_glu):
+        """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh (maxtrain.parallel.experts)."""
         return experts.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap, self.moe_grouped_matmul,
-                                  self.moe_chunk, self.remat_policy)
+                                  self.moe_chunk, self.remat_policy, biases, activation)
 
     def mlp(self, fn: Callable, x_BxLxD):
         """fn(x) for a position-wise fn; with mlp_chunk, `mlp_chunk` of each device's positions at a time,
