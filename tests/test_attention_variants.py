@@ -193,3 +193,30 @@ def test_a_decode_step_against_the_cache(window):
         cache = LayerCache(rows(k), rows(v), jnp.asarray(starts), jnp.asarray(t), prefill=False)
         out, _ = cache.attend(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], None, None, None, variant, sinks)
         np.testing.assert_allclose(out[:, 0], expected[:, t], **TOL, err_msg=f"slot {t}")
+
+
+WINDOWED = ("sliding_window_size=6", "attention_sinks=true", "attn_logit_softcapping=20.0",
+            "max_target_length=64")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", [("global_layer_interval=2",), ("global_layer_interval=0",)],
+                         ids=["sliding_and_global", "every_layer_slides"])
+def test_a_windowed_model_decodes_as_without_the_cache(tiny_config, pattern):
+    """Prompts and generations longer than the 6-token window, with sinks and a soft cap: each decode
+    step's logits are the full forward's, and generate's greedy ids the full rerun's (no cache)."""
+    from maxtrain.infer import reference
+    from maxtrain.training import step as step_lib
+    from conftest import decode
+    from test_decode import step_logits_against_full_forward
+    devices = jax.devices()[:1]
+    c = tiny_config(*WINDOWED, *pattern, devices=devices)
+    trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        params = trainer.init(jax.random.key(0)).params
+    assert any("sinks" in str(path) for path, _ in jax.tree_util.tree_leaves_with_path(params))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7]]
+    assert step_logits_against_full_forward(c, trainer, params, prompts, 16) <= 1e-4
+    ids = decode(c, trainer, params, prompts, 16, batch_size=2)
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        assert ids == [reference.full_rerun(c, trainer, params, p, 16) for p in prompts]
