@@ -65,7 +65,8 @@ def value_and_grads(fn, q, k, v, sinks, cotangent):
 def assert_matches_reference(kernel, length, variant, with_sinks=True, positions=None, **shape):
     q, k, v, segments, sinks, cotangent = inputs(length, **shape)
     sinks = sinks if with_sinks else None
-    ours = value_and_grads(lambda q, k, v, s: kernel(q, k, v, segments, variant, s), q, k, v, sinks, cotangent)
+    ours = jax.jit(lambda *a: value_and_grads(lambda q, k, v, s: kernel(q, k, v, segments, variant, s), *a))(
+        q, k, v, sinks, cotangent)
     theirs = value_and_grads(lambda q, k, v, s: reference(q, k, v, segments, positions, variant.window, variant.scale,
                                                           variant.softcap, s), q, k, v, sinks, cotangent)
     np.testing.assert_allclose(ours[0], theirs[0], **TOL)
@@ -199,16 +200,42 @@ WINDOWED = ("sliding_window_size=6", "attention_sinks=true", "attn_logit_softcap
             "max_target_length=64")
 
 
+def step_logits_against_full_forward(c, trainer, params, prompts, steps):
+    """test_decode's check through the engine's own cache shape (a ring where every layer slides): the
+    largest |logit difference| between each decode step and the full forward at the same position; and
+    the cache's shape."""
+    from maxtrain.infer.decode import Engine
+    engine = Engine(c, trainer.mesh)
+    shape = engine.shape(prompts, steps + 1, len(prompts))
+    with mesh_lib.activate(trainer.mesh, trainer.rules):
+        weights = engine.weights(params)
+        tokens, start, _, _ = engine._batch(prompts, 0, shape)
+        logits, cache = jax.jit(engine.prefill, static_argnums=(3, 4))(weights, tokens, start, shape.slots, shape.ring)
+        step, each_step = jax.jit(engine.step), []
+        for _ in range(steps + 1):
+            each_step.append(np.asarray(logits)[:len(prompts)])
+            logits, cache = step(weights, jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], cache)
+        chosen_SxB = np.argmax(np.stack(each_step), axis=-1)
+        final = np.zeros((len(prompts), max(map(len, prompts)) + steps + 1), np.int32)
+        for b, p in enumerate(prompts):
+            final[b, :len(p) + steps + 1] = p + chosen_SxB[:, b].tolist()
+        full = np.asarray(jax.jit(trainer.model.apply)({"params": params}, final))
+    worst = max(float(np.abs(each_step[t][b] - full[b, len(p) - 1 + t]).max())
+                for t in range(steps + 1) for b, p in enumerate(prompts))
+    return worst, shape
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", [("global_layer_interval=2",), ("global_layer_interval=0",)],
+@pytest.mark.parametrize("pattern,ring", [(("global_layer_interval=2",), 0), (("global_layer_interval=0",), 16)],
                          ids=["sliding_and_global", "every_layer_slides"])
-def test_a_windowed_model_decodes_as_without_the_cache(tiny_config, pattern):
-    """Prompts and generations longer than the 6-token window, with sinks and a soft cap: each decode
-    step's logits are the full forward's, and generate's greedy ids the full rerun's (no cache)."""
+def test_a_windowed_model_decodes_as_without_the_cache(tiny_config, pattern, ring):
+    """Prompts and 40 new tokens, both longer than the 6-token window, with sinks and a soft cap: each
+    decode step's logits are the full forward's, and generate's greedy ids the full rerun's (no cache).
+    Where every layer slides the cache is the prompts' 16 slots and a ring of 16 (the window, padded),
+    not the 64 of the prompts and every new token: the ring wraps twice."""
     from maxtrain.infer import reference
     from maxtrain.training import step as step_lib
     from conftest import decode
-    from test_decode import step_logits_against_full_forward
     devices = jax.devices()[:1]
     c = tiny_config(*WINDOWED, *pattern, devices=devices)
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
@@ -216,7 +243,9 @@ def test_a_windowed_model_decodes_as_without_the_cache(tiny_config, pattern):
         params = trainer.init(jax.random.key(0)).params
     assert any("sinks" in str(path) for path, _ in jax.tree_util.tree_leaves_with_path(params))
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7]]
-    assert step_logits_against_full_forward(c, trainer, params, prompts, 16) <= 1e-4
-    ids = decode(c, trainer, params, prompts, 16, batch_size=2)
+    worst, shape = step_logits_against_full_forward(c, trainer, params, prompts, 40)
+    assert worst <= 1e-4
+    assert (shape.prompt_slots, shape.ring, shape.slots) == (16, ring, 32 if ring else 64)
+    ids = decode(c, trainer, params, prompts, 40, batch_size=2)
     with mesh_lib.activate(trainer.mesh, trainer.rules):
-        assert ids == [reference.full_rerun(c, trainer, params, p, 16) for p in prompts]
+        assert ids == [reference.full_rerun(c, trainer, params, p, 40) for p in prompts]
