@@ -31,7 +31,7 @@ def step(window: int, block: int | None):
         if block is None:
             out = attention.blockwise(q, k, v, segment_ids, variant)
         else:
-            out = attention._query_blocks(q, k, v, segment_ids, block, variant, None)
+            out = attention.window_blocks(q, k, v, segment_ids, block, variant)
         return jnp.sum(out.astype(jnp.float32))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 

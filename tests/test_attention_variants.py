@@ -106,7 +106,7 @@ def test_every_kernel_equals_the_dense_reference(kernel, sinks, variant):
 ])
 def test_blockwise_window_at_any_block(window, block, length):
     variant = Variant(window=window, scale=0.3)
-    assert_matches_reference(lambda *a: attention._query_blocks(*a[:4], block, *a[4:]), length, variant)
+    assert_matches_reference(lambda *a: attention.window_blocks(*a[:4], block, *a[4:]), length, variant)
 
 
 def test_blockwise_window_8w_default_block():
