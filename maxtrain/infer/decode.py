@@ -63,7 +63,7 @@ class Shape:
     prompt_slots: int  # the prompts' padded length
     new_tokens: int
     slots: int         # the cache's: the prompts and every new token but the last, padded like the prompts
-    ring: int = 0      # every layer sliding: the cache's last `ring` slots are a ring (kv_cache), slots = prompts + ring
+    ring: int = 0      # every layer sliding: the last `ring` slots are a ring (kv_cache); slots = prompts + ring
 
 
 class Engine:

@@ -173,10 +173,10 @@ def window_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int, 
 
 
 def window_block(window: int) -> int:
-    """blockwise's queries per block: BLOCK, or with a window a quarter of it, at least 128. A block of Q
-    queries computes Q x (Q + window - 1) scores, so smaller blocks waste less on the window's edges, but
-    on CPU blocks of 64 or 32 ran slower than 128 at windows of 128 to 512 (benchmarks/window.py)."""
-    return BLOCK if not window else min(BLOCK, max(128, window // 4))
+    """blockwise's queries per block: BLOCK, or with a window a quarter of it (at least 64). A block of Q
+    queries sees about Q + window keys, so smaller blocks waste less on the window's edges; on CPU blocks
+    of 64 ran as fast as 128 at windows of 128 and 256, and slower at 512 (benchmarks/window.py)."""
+    return BLOCK if not window else min(BLOCK, max(64, window // 4))
 
 
 def _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int, variant: Variant, sinks_H):
