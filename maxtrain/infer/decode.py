@@ -63,6 +63,7 @@ class Shape:
     prompt_slots: int  # the prompts' padded length
     new_tokens: int
     slots: int         # the cache's: the prompts and every new token but the last, padded like the prompts
+    ring: int = 0      # every layer sliding: the last `ring` slots are a ring (kv_cache); slots = prompts + ring
 
 
 class Engine:
@@ -107,10 +108,10 @@ class Engine:
 
     # ---- the programs
 
-    def prefill(self, weights, tokens_BxP, start_B, slots: int):
+    def prefill(self, weights, tokens_BxP, start_B, slots: int, ring: int = 0):
         """(logits [B,V] float32 of each prompt's last position, the cache with the prompts written).
         Prompts are left-padded: sequence b starts at slot start_B[b]."""
-        cache = KVCache.empty(self.args, start_B, slots)
+        cache = KVCache.empty(self.args, start_B, slots, ring)
         slots_P = jnp.arange(tokens_BxP.shape[1])
         positions_BxP = jnp.maximum(slots_P - start_B[:, None], 0)
         segment_ids_BxP = (slots_P >= start_B[:, None]).astype(jnp.int32)  # padding: a document of its own
@@ -131,7 +132,7 @@ class Engine:
                eos: int):
         """The prefill and each sequence's first new token: (ids [B, new_tokens], which sequences are done,
         the cache)."""
-        logits_BxV, cache = self.prefill(weights, tokens_BxP, start_B, shape.slots)
+        logits_BxV, cache = self.prefill(weights, tokens_BxP, start_B, shape.slots, shape.ring)
         first_B = sampling.choose(logits_BxV, sampling.row_keys(numbers_B), 0)
         tokens_BxT = jnp.zeros((first_B.shape[0], shape.new_tokens), jnp.int32).at[:, 0].set(first_B)
         return tokens_BxT, ~live_B | (first_B == eos), cache
@@ -206,7 +207,11 @@ class Engine:
         rows = -(-min(batch_size, len(prompts)) // self.batch_shards) * self.batch_shards
         pad = lambda n: -(-n // self.multiple) * self.multiple  # noqa: E731  (the context axis splits both)
         prompt_slots = pad(max(PROMPT_MULTIPLE, 1 << (max(map(len, prompts)) - 1).bit_length()))
-        return Shape(rows, prompt_slots, max_new_tokens, pad(prompt_slots + max_new_tokens - 1))
+        slots = pad(prompt_slots + max_new_tokens - 1)
+        ring = pad(self.args.window) if self.args.window and not self.args.global_interval else 0
+        if ring and prompt_slots + ring < slots:  # every layer slides: the window bounds the cache
+            return Shape(rows, prompt_slots, max_new_tokens, prompt_slots + ring, ring)
+        return Shape(rows, prompt_slots, max_new_tokens, slots)
 
     def generate(self, weights, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
                  eos_id: int | None = None, batch_size: int = 1) -> Generated:

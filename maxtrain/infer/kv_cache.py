@@ -13,6 +13,12 @@ Memory: 2 (keys and values) x N x K x bytes per element, per slot, per layer, pe
 
 Left padding. Prompts end at the same slot: sequence b fills slots start_b .. P-1, so every decode step
 writes all sequences at one slot (`index`), and the position of slot j in sequence b is j - start_b.
+
+A ring. Where every layer slides (a window and no global layers), a new token needs at most the window's
+keys: the cache then holds the prompts' P slots and a ring of `ring` >= window slots after them, decode
+step at slot t (`index` counts on) writing ring slot (t - P) mod ring, so the cache's size is bounded by
+the prompts and the window whatever the number of new tokens. The prompts' slots stay as written (the
+window masks out those that fall behind it).
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ def _constrain(x_RxSxK, batch: int, kv_heads: int):
     return jax.lax.with_sharding_constraint(x_RxSxK, spec)
 
 
+def _physical(slot, slots: int, ring: int):
+    """The slot of the cache that holds (logical) slot `slot`: in the ring past the prompts' slots."""
+    if not ring:
+        return slot
+    first = slots - ring
+    return jnp.where(slot >= first, first + (slot - first) % ring, slot)
+
+
 def _write(cache_RxSxK, new_BxLxNxK, index):
     """The new keys (or values) in their rows at slots index .. index + L - 1."""
     b, length, n, k = new_BxLxNxK.shape
@@ -57,23 +71,32 @@ class LayerCache:
     start_B: jax.Array  # each sequence's first slot
     index: jax.Array    # the slot of this call's first position
     prefill: bool = flax.struct.field(pytree_node=False)  # this call writes the prompts from slot 0
+    ring: int = flax.struct.field(pytree_node=False, default=0)  # the last `ring` slots are a ring; 0 = none
 
     def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, kernel,
                variant: Variant = PLAIN, sinks_H=None):
         """(attention output [B,L,H,K], this layer's cache with k and v written). A prefill attends
         within the prompts by the training `kernel` (the cache holds nothing else yet); a decode step
         against the cache, each query seeing its sequence's slots up to its own (and within the window)."""
-        keys_RxSxK = _write(self.keys_RxSxK, k_BxLxNxK, self.index)
-        values_RxSxK = _write(self.values_RxSxK, v_BxLxNxK, self.index)
+        slots = self.keys_RxSxK.shape[1]
+        at = _physical(self.index, slots, self.ring)  # a decode step's one slot; a prefill's from 0
+        keys_RxSxK = _write(self.keys_RxSxK, k_BxLxNxK, at)
+        values_RxSxK = _write(self.values_RxSxK, v_BxLxNxK, at)
         if self.prefill:
             ctx_BxLxHxK = kernel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant, sinks_H)
         else:
-            slots_S = jnp.arange(keys_RxSxK.shape[1])
-            query_slots_L = self.index + jnp.arange(q_BxLxHxK.shape[1])
-            mask_BxLxS = ((slots_S >= self.start_B[:, None, None])
-                          & (slots_S[None, None, :] <= query_slots_L[None, :, None]))
+            query_slots_Lx1 = (self.index + jnp.arange(q_BxLxHxK.shape[1]))[:, None]
+            slots_LxS = jnp.broadcast_to(jnp.arange(slots), (q_BxLxHxK.shape[1], slots))
+            written_LxS = True
+            if self.ring:  # the logical slot each ring slot holds now: the latest at or before the query's
+                in_ring_LxS = slots_LxS >= slots - self.ring
+                slots_LxS = jnp.where(in_ring_LxS, query_slots_Lx1 - (query_slots_Lx1 - slots_LxS) % self.ring,
+                                      slots_LxS)
+                written_LxS = ~in_ring_LxS | (slots_LxS >= slots - self.ring)
+            mask_BxLxS = ((slots_LxS[None] >= self.start_B[:, None, None]) & (slots_LxS <= query_slots_Lx1)[None]
+                          & written_LxS)
             if variant.window:
-                mask_BxLxS = mask_BxLxS & (slots_S[None, None, :] > query_slots_L[None, :, None] - variant.window)
+                mask_BxLxS = mask_BxLxS & (slots_LxS > query_slots_Lx1 - variant.window)[None]
             ctx_BxLxHxK = against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS, variant, sinks_H)
         return ctx_BxLxHxK, self.replace(keys_RxSxK=keys_RxSxK, values_RxSxK=values_RxSxK)
 
@@ -85,14 +108,17 @@ class KVCache:
     start_B: jax.Array  # int32 [B]: each sequence's first slot
     index: jax.Array    # int32 scalar: the next slot to write
     prefill: bool = flax.struct.field(pytree_node=False)
+    ring: int = flax.struct.field(pytree_node=False, default=0)  # the last `ring` slots are a ring; 0 = none
 
     @classmethod
-    def empty(cls, args, start_B, slots: int) -> "KVCache":
-        """A cache of `slots` slots for len(start_B) sequences, ready for their prefill. Call under the mesh."""
+    def empty(cls, args, start_B, slots: int, ring: int = 0) -> "KVCache":
+        """A cache of `slots` slots for len(start_B) sequences, ready for their prefill, its last `ring`
+        a ring (every layer sliding, ring >= the window). Call under the mesh."""
+        assert not ring or (args.window and not args.global_interval and ring >= args.window), ring
         b, n, k = start_B.shape[0], args.kv_heads, args.head_dim
         zeros = lambda: _constrain(jnp.zeros((b * n, slots, k), args.dtype), b, n)  # noqa: E731
         return cls(tuple(zeros() for _ in range(args.layers)), tuple(zeros() for _ in range(args.layers)),
-                   start_B.astype(jnp.int32), jnp.zeros((), jnp.int32), prefill=True)
+                   start_B.astype(jnp.int32), jnp.zeros((), jnp.int32), prefill=True, ring=ring)
 
     @property
     def slots(self) -> int:
@@ -103,9 +129,9 @@ class KVCache:
         return self.index + jnp.arange(length)[None, :] - self.start_B[:, None]
 
     def layer(self, i: int) -> LayerCache:
-        return LayerCache(self.keys[i], self.values[i], self.start_B, self.index, self.prefill)
+        return LayerCache(self.keys[i], self.values[i], self.start_B, self.index, self.prefill, self.ring)
 
     def written(self, layers: list[LayerCache], length: int) -> "KVCache":
         """The cache after a call that wrote `length` positions through `layers`."""
         return KVCache(tuple(x.keys_RxSxK for x in layers), tuple(x.values_RxSxK for x in layers), self.start_B,
-                       self.index + length, prefill=False)
+                       self.index + length, prefill=False, ring=self.ring)

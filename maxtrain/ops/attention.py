@@ -4,7 +4,9 @@ segment ids [B,L], apply causal + same-document masking, and return [B,L,H,K].
 - dot_product: plain XLA einsums, softmax in float32; materializes the [B,H,L,L] scores.
 - blockwise: the same einsums a block of BLOCK queries at a time, each block against only the keys up
   to its own end, so the masked-out upper triangle is never computed: with L = 2 blocks, 3/4 of the
-  scores' work and memory; with 4, 10/16 (any L: the last block may be shorter). The default.
+  scores' work and memory; with 4, 10/16 (any L: the last block may be shorter). The default. With a
+  sliding window (window_blocks) each block sees only the blocks its window reaches: the cost grows
+  with the window, not the sequence.
 - jax_nn: jax.nn.dot_product_attention (cuDNN flash attention on GPU where it applies, XLA elsewhere).
 - splash: the Pallas splash-attention kernel (TPU): blockwise, never materializes the scores. On other
   backends it runs in Pallas interpret mode, which is for tests only.
@@ -131,13 +133,49 @@ def dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Varia
 
 
 def blockwise(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Variant = PLAIN, sinks_H=None):
-    return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, window_block(variant.window),
-                         variant, sinks_H)
+    block = window_block(variant.window)
+    if variant.window and variant.window < q_BxLxHxK.shape[1] and block < q_BxLxHxK.shape[1]:
+        return window_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block, variant, sinks_H)
+    return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block, variant, sinks_H)
+
+
+def window_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int, variant: Variant, sinks_H=None):
+    """Sliding-window attention `block` queries at a time, every block at once: block c's queries against
+    the keys of blocks c - p .. c, p = ceil((window - 1) / block), each block's keys stacked beside its
+    queries (the batch folds in the blocks). One batched computation, so the keys' gradient is p + 1
+    shifted sums, not a sum over the sequence per block as slices of one array would give (which cost
+    as much as the attention itself in bfloat16 on CPU)."""
+    b, length, h, k = q_BxLxHxK.shape
+    n, g, w = k_BxLxNxK.shape[2], h // k_BxLxNxK.shape[2], variant.window
+    p = -(-(w - 1) // block)
+    c = -(-length // block)
+    tail = c * block - length  # the sequence padded to whole blocks; p blocks of keys before it
+    pad = lambda x, before, value=0: jnp.pad(x, [(0, 0), (before, tail)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
+                                             constant_values=value)
+    stacked = lambda x: jnp.concatenate(  # noqa: E731  [B, C + p, block, ...] -> [B, C, (p + 1) x block, ...]
+        [x[:, j:j + c] for j in range(p + 1)], axis=2)
+    q_BxCxNxGxQxK = pad(q_BxLxHxK, 0).reshape(b, c, block, n, g, k).transpose(0, 1, 3, 4, 2, 5)
+    kv = [stacked(pad(x, p * block).reshape(b, c + p, block, n, k)).transpose(0, 1, 3, 2, 4)
+          for x in (k_BxLxNxK, v_BxLxNxK)]  # [B, C, N, M, K]
+    segment_ids_BxCxM = stacked(pad(segment_ids_BxL, p * block, -1).reshape(b, c + p, block))
+    positions_CxM = stacked(jnp.arange(-p * block, c * block).reshape(1, c + p, block))[0]
+    every_row = lambda x: jnp.tile(x, (b, 1))  # noqa: E731  [C, ...] -> [B x C, ...]
+    seen_BxCxQxM = document_mask(every_row(jnp.arange(c * block).reshape(c, block)), every_row(positions_CxM),
+                                 pad(segment_ids_BxL, 0, -1).reshape(b * c, block),
+                                 segment_ids_BxCxM.reshape(b * c, -1), w)[:, 0].reshape(b, c, block, -1)
+    seen_BxCxQxM = seen_BxCxQxM & (positions_CxM >= 0)[None, :, None]
+    fold = lambda x: x.reshape(b * c, *x.shape[2:])  # noqa: E731
+    sinks_NxG = None if sinks_H is None else sinks_H.reshape(n, g)
+    out = _attend(fold(q_BxCxNxGxQxK), fold(kv[0]), fold(kv[1]), fold(seen_BxCxQxM)[:, None], sinks_NxG,
+                  variant.scale_for(k), variant.softcap)
+    out_BxCxQxNxGxK = out.reshape(b, c, n, g, block, k).transpose(0, 1, 4, 2, 3, 5)
+    return out_BxCxQxNxGxK.reshape(b, c * block, h, k)[:, :length]
 
 
 def window_block(window: int) -> int:
     """blockwise's queries per block: BLOCK, or with a window a quarter of it (at least 64). A block of Q
-    queries computes Q x (Q + window - 1) scores, so smaller blocks waste less on the window's edges."""
+    queries sees about Q + window keys, so smaller blocks waste less on the window's edges; on CPU blocks
+    of 64 ran as fast as 128 at windows of 128 and 256, and slower at 512 (benchmarks/window.py)."""
     return BLOCK if not window else min(BLOCK, max(64, window // 4))
 
 

@@ -5,6 +5,7 @@ are in maxtrain.ops.attention."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -64,12 +65,16 @@ def _platform() -> str:
 
 
 def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant: Variant = PLAIN,
-                     sinks_H=None):
+                     sinks_H=None, balanced: bool = False):
     """Each device keeps its queries and gathers the whole sequence's keys and values (the all-gather
     strategy of MaxText and torchtitan), under shard_map: the attention itself is a device's local
     computation, as without context parallelism. The causal mask compares positions, not places, so a
-    reordered sequence (zigzag_order) attends exactly as the original. (Left to GSPMD, XLA:CPU ran the
-    partitioned softmax's gradient several times slower.)"""
+    reordered sequence (zigzag_order; `balanced`) attends exactly as the original. (Left to GSPMD, XLA:CPU
+    ran the partitioned softmax's gradient several times slower.)
+
+    With a window no longer than each contiguous run of a device's positions plus one, a device needs
+    only the window - 1 keys before each run: those come from the neighbouring device (a ppermute, see
+    `_halo`) instead of the whole sequence, so each device's traffic and scores are bounded by the window."""
     kv_axes, token_axes = ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")
     logical = (("batch", "length", "heads", "head_dim"), kv_axes, kv_axes, token_axes, token_axes)
     specs = tuple(active_spec(axes) for axes in logical)
@@ -80,8 +85,14 @@ def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions
         # the batch-of-1 trace at init, whose attention output is never used
         return attend_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, [(0, q_BxLxHxK.shape[1], 0, document_mask(
             positions_BxL, positions_BxL, segment_ids_BxL, segment_ids_BxL, w))], variant, sinks_H)
+    shards = length_shards()
+    runs = 2 if balanced else 1  # contiguous runs of places per device
+    run = q_BxLxHxK.shape[1] // shards // runs
 
     def local(q_BxQxHxK, k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ, sinks_H):
+        if w and w - 1 <= run:
+            return _halo(q_BxQxHxK, (k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ), tokens[1], shards,
+                         runs, variant, sinks_H)
         gather = lambda x: jax.lax.all_gather(x, tokens[1], axis=1, tiled=True)  # noqa: E731
         mask_Bx1xQxM = document_mask(positions_BxQ, gather(positions_BxQ), segment_ids_BxQ, gather(segment_ids_BxQ),
                                      w)
@@ -89,3 +100,38 @@ def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions
                              [(0, q_BxQxHxK.shape[1], 0, mask_Bx1xQxM)], variant, sinks_H)
     sinks_spec = PartitionSpec(specs[0][2])  # each device's query heads' sinks
     return jax.shard_map(local, in_specs=(*specs, sinks_spec), out_specs=q_spec, check_vma=False)(*args, sinks_H)
+
+
+def _halo(q_BxQxHxK, kv, axes, shards: int, runs: int, variant: Variant, sinks_H):
+    """A device's windowed attention from its own keys and the window - 1 before each of its `runs`
+    contiguous runs of places: in sequence order (runs = 1) the previous device's last ones; in
+    zigzag_order (runs = 2: chunks i and 2 x shards - 1 - i) the first run's from device i - 1's first
+    run, the second's from device i + 1's second run, or on the last device from its own first run.
+    kv: (keys, values, segment ids, positions), each [B, C, ...]; device 0's first run has nothing before
+    it (what the ppermute leaves there is masked out)."""
+    halo = variant.window - 1
+    index = jax.lax.axis_index(axes)
+    length = q_BxQxHxK.shape[1]
+    run = length // runs
+
+    def before(x, r):
+        """The `halo` positions of x before run r."""
+        tail = lambda i: x[:, (i + 1) * run - halo:(i + 1) * run]  # noqa: E731
+        if not halo:  # a window of 1: each token sees itself only
+            return tail(r)
+        if r == 0:
+            return jax.lax.ppermute(tail(0), axes, [(j, j + 1) for j in range(shards - 1)])
+        from_next = jax.lax.ppermute(tail(1), axes, [(j + 1, j) for j in range(shards - 1)])
+        return jnp.where(index == shards - 1, tail(0), from_next)
+
+    parts = [[jnp.concatenate([before(x, r), x[:, r * run:(r + 1) * run]], axis=1) for x in kv] for r in range(runs)]
+    blocks = []
+    for r, (_, _, segment_ids_BxM, positions_BxM) in enumerate(parts):
+        queries = slice(r * run, (r + 1) * run)
+        mask_Bx1xQxM = document_mask(positions_BxM[:, halo:], positions_BxM, segment_ids_BxM[:, halo:],
+                                     segment_ids_BxM, variant.window)
+        if r == 0:
+            mask_Bx1xQxM = mask_Bx1xQxM & ((jnp.arange(halo + run) >= halo) | (index > 0))
+        blocks.append((queries.start, queries.stop, r * (halo + run), mask_Bx1xQxM))
+    k_BxMxNxK, v_BxMxNxK = (jnp.concatenate([p[i] for p in parts], axis=1) for i in (0, 1))
+    return attend_blocks(q_BxQxHxK, k_BxMxNxK, v_BxMxNxK, blocks, variant, sinks_H)

@@ -69,7 +69,7 @@ class Plan:
                                   self.context_load_balance, variant)
         if length_shards() > 1:
             return context.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
-                                            variant, sinks_H)
+                                            variant, sinks_H, self.context_load_balance)
         return attention.KERNELS[self.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant, sinks_H)
 
     def embed(self, embedding_VxD, tokens_BxL, dtype):
