@@ -8,8 +8,9 @@ gate_proj, up_proj [F, D] -> wi_gate, wi_up [D, F]; down_proj [D, F] -> wo [F, D
 RoPE: HF's Llama code rotates the two halves of each head (`rotate_half`), and HF checkpoints made from
 Meta's interleaved-pair originals had their q/k rows permuted to suit it. maxtrain's `rope` uses the same
 half-split convention, so q/k copy across unpermuted (a checkpoint in Meta's own layout would need that
-permutation first: convert it to HF with transformers' script). RoPE types: default, and llama3 (Llama
-3.1's frequency scaling, maxtrain's rope_scaling_* keys).
+permutation first: convert it to HF with transformers' script). RoPE types: default, llama3 (Llama 3.1's
+frequency scaling), linear (Gemma 3's global layers) and yarn (gpt-oss): rope_type and the rope_* keys.
+A family's own settings (windows, sinks, norms, activations) go through its HFMapping hooks.
 
 Experts. Files (what save_pretrained writes, transformers 5 included, and the Hub's checkpoints) hold one
 tensor per expert (names: the family's). maxtrain stacks them: router [D, E], wi_gate, wi_up [E, D, F],
@@ -171,14 +172,14 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     hf, defaults = with_defaults(hf), spec.hf.types[kind].defaults
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         positive_int(hf, key)
-    spec.hf.checks(hf)
+    (spec.hf.checks or plain_checks)(hf)
     window = spec.hf.sliding_window(hf)
     if window is not None and not spec.hf.windowed:
         raise ConvertError(f"config.json: sliding_window={window} is not supported (maxtrain's {kind} attends over "
                            f"the full context: a window on some layers only is not expressed)")
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
         raise ConvertError(f"config.json: sliding_window={window!r} is not a positive integer")
-    rope = spec.hf.rope(hf)
+    rope = (spec.hf.rope or flat_rope)(hf)
     heads = hf["num_attention_heads"]
     keys = {
         "vocab_size": hf["vocab_size"],

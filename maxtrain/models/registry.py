@@ -56,11 +56,6 @@ class HFMapping:
     # variant keys (hf.PLAIN_VARIANTS) this family's HF types carry; export refuses any other set
     expresses: tuple[str, ...] = ()
 
-    def __post_init__(self):
-        from maxtrain.models import hf  # the shared defaults live beside the decoder layout
-        object.__setattr__(self, "checks", self.checks or hf.plain_checks)
-        object.__setattr__(self, "rope", self.rope or hf.flat_rope)
-
 
 @dataclass(frozen=True)
 class ModelSpec:
