@@ -75,8 +75,7 @@ def assert_matches_reference(kernel, length, variant, with_sinks=True, positions
 
 
 def splash(q, k, v, segments, variant, sinks):
-    assert sinks is None
-    return context.splash(q, k, v, segments, variant=variant)
+    return context.splash(q, k, v, segments, variant=variant, sinks_H=sinks)
 
 
 KERNELS = {**attention.KERNELS, "splash": splash}
@@ -88,8 +87,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kernel,sinks", [(name, sinks) for name in KERNELS for sinks in (True, False)
-                                          if not (name == "splash" and sinks)])  # splash has no sinks
+@pytest.mark.parametrize("kernel,sinks", [(name, sinks) for name in KERNELS for sinks in (True, False)])
 def test_every_kernel_equals_the_dense_reference(kernel, sinks, variant):
     """Sequence 8W = 256 tokens, window W = 32 (blockwise: several blocks, each against its window's keys),
     packed documents, GQA (4 query heads on 2 kv heads); q and k spread so the soft cap bites."""

@@ -17,8 +17,7 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
     c = dict(resolving)
     if c["attention"] == "auto":
         quantized = "attention" in quantization.targets(c)
-        c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized,
-                                       c["attention_sinks"])
+        c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
     auto_matmul = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")  # see maxtrain.ops.grouped_matmul
     if c["moe_grouped_matmul"] == "auto":
         c["moe_grouped_matmul"] = auto_matmul
@@ -40,12 +39,10 @@ def scan_unroll_for(platform: str, remat_policy: str, layers: int) -> int:
     return layers if platform == "cpu" and remat_policy == "none" and layers <= 8 else 1
 
 
-def attention_for(platform: str, length_per_device: int, quantized_projections: bool = False,
-                  sinks: bool = False) -> str:
-    """attention=auto: each platform's fast kernel (splash needs each device's positions in blocks of 128,
-    and has no sinks; beside quantized projections, jax_nn's einsums would be quantized too: see
-    maxtrain.models.quantization)."""
-    if platform == "tpu" and not sinks:
+def attention_for(platform: str, length_per_device: int, quantized_projections: bool = False) -> str:
+    """attention=auto: each platform's fast kernel (splash needs each device's positions in blocks of 128;
+    beside quantized projections, jax_nn's einsums would be quantized too: see maxtrain.models.quantization)."""
+    if platform == "tpu":
         return "splash" if length_per_device % 128 == 0 else "blockwise"
     return "jax_nn" if platform == "gpu" and not quantized_projections else "blockwise"
 

@@ -130,8 +130,6 @@ def _validate_attention_variants(c: dict[str, Any]) -> None:
         raise ConfigError("local_rope_theta", "must be > 0, or -1 (sliding layers use rope_theta)")
     if c["rope_yarn_beta_fast"] <= c["rope_yarn_beta_slow"]:
         raise ConfigError("rope_yarn_beta_fast", f"must exceed rope_yarn_beta_slow={c['rope_yarn_beta_slow']}")
-    if c["attention_sinks"] and c["attention"] == "splash":
-        raise ConfigError("attention", "splash has no attention sinks (attention_sinks=true): use blockwise, or auto")
     if c["global_layer_interval"] and c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
         raise ConfigError("global_layer_interval", "a pattern of sliding and global layers cannot be pipelined yet "
                           "(ici/dcn_pipeline_parallelism=1)")

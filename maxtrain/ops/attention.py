@@ -301,11 +301,16 @@ def _placed_causal_mask_type():
     return PlacedCausalMask
 
 
-def run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL=None):
+def run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL=None, sinks_H=None):
+    """The kernel over the batch; `sinks_H` (float32, one per query head, or None) join each softmax's
+    denominator (the kernel's own support: the sink starts the running max and sum)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     segment_ids_BxL = segment_ids_BxQ if segment_ids_BxL is None else segment_ids_BxL
-    return jax.vmap(kernel)(q_BxHxQxK, k_BxNxLxK, v_BxNxLxK,
-                            segment_ids=splash.SegmentIds(q=segment_ids_BxQ, kv=segment_ids_BxL))
+    segment_ids = splash.SegmentIds(q=segment_ids_BxQ, kv=segment_ids_BxL)
+    if sinks_H is None:
+        return jax.vmap(kernel)(q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids=segment_ids)
+    return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids,
+                                                         sinks_H.astype(jnp.float32))
 
 
 def unzigzag(x, axis: int, shards: int):

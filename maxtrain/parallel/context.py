@@ -15,7 +15,7 @@ from maxtrain.parallel.rules import active_mesh, active_spec, length_shards, spl
 
 
 def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None, balanced=False,
-           variant: Variant = PLAIN):
+           variant: Variant = PLAIN, sinks_H=None):
     """The splash kernel on each shard (batch, heads and queries split). Under context parallelism each
     device runs it for its queries against the whole sequence's keys and values, gathered and put back
     in sequence order (`balanced`: the batch is in zigzag_order, so each device's queries sit at those
@@ -36,24 +36,25 @@ def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None,
     places = zigzag_order(length, shards) if balanced and shards > 1 else np.arange(length)
     kernel = splash_kernel(places, residual_name, h, shards, interpret=_platform() != "tpu", variant=variant)
     if specs is None:
-        return to_heads_major(run_splash(kernel, *args))
+        return to_heads_major(run_splash(kernel, *args, sinks_H=sinks_H))
     length_axes = specs[3][1]
 
-    def local(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ):
+    def local(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ, sinks_H):
         if shards == 1:
-            return run_splash(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ)
+            return run_splash(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ, sinks_H=sinks_H)
         gather = lambda x, axis: jax.lax.all_gather(x, length_axes, axis=axis, tiled=True)  # noqa: E731
         k_BxNxLxK, v_BxNxLxK, segment_ids_BxL = gather(k_BxNxCxK, 2), gather(v_BxNxCxK, 2), gather(segment_ids_BxQ, 1)
         if balanced:  # back to sequence order
             k_BxNxLxK, v_BxNxLxK = unzigzag(k_BxNxLxK, 2, shards), unzigzag(v_BxNxLxK, 2, shards)
             segment_ids_BxL = unzigzag(segment_ids_BxL, 1, shards)
-        return run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL)
+        return run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL, sinks_H)
 
     # A Pallas kernel is not partitioned by XLA: run it on each shard; the kernel's block map travels
     # with it, each device taking its queries' rows.
     kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, PartitionSpec(None, length_axes)))
-    out_BxHxLxK = jax.shard_map(local, in_specs=(kernel_spec, *specs), out_specs=specs[0],
-                                check_vma=False)(kernel, *args)
+    sinks_spec = PartitionSpec(specs[0][1])  # each device's query heads' sinks
+    out_BxHxLxK = jax.shard_map(local, in_specs=(kernel_spec, *specs, sinks_spec), out_specs=specs[0],
+                                check_vma=False)(kernel, *args, sinks_H)
     return to_heads_major(out_BxHxLxK)
 
 

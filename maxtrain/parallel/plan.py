@@ -62,11 +62,10 @@ class Plan:
                variant: Variant = PLAIN, sinks_H=None):
         """Causal, same-document attention [B,L,H,K] by the planned kernel, as `variant` says (a window,
         a scale, a soft cap) and with `sinks_H` if any; under context parallelism (the sequence split over
-        devices) every kernel but splash gives way to context_parallel. Splash has no sinks (the config
-        refuses the pair)."""
+        devices) every kernel but splash gives way to context_parallel."""
         if self.attention == "splash":
             return context.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
-                                  self.context_load_balance, variant)
+                                  self.context_load_balance, variant, sinks_H)
         if length_shards() > 1:
             return context.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
                                             variant, sinks_H, self.context_load_balance)
