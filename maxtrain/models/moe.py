@@ -61,8 +61,8 @@ class MoEBlock(nn.Module):
         weights_BxLxK = weights_BxLxK.astype(a.dtype)
         y_BxLxD = a.plan.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, (gate_ExDxF, up_ExDxF, down_ExFxD), cap,
                                     biases, functools.partial(activate, a=a))
-        if a.mlp_bias:  # the down bias: sum_k w_k bias[e_k], outside the experts' work (so once under tensor
-            # parallelism's psum); a dropped assignment (expert e) picks none
+        if a.mlp_bias:  # the down bias, sum_k w_k bias[e_k], outside the experts' work: added once however the
+            # experts' width splits; a dropped assignment (expert e) picks none
             down_bias_ExD = bias(self, "bo", (e, a.embed), ("experts", "embed"))
             picked_BxLxE = jnp.einsum("blk,blke->ble", weights_BxLxK, jax.nn.one_hot(experts_BxLxK, e, dtype=a.dtype))
             y_BxLxD = y_BxLxD + jnp.einsum("ble,ed->bld", picked_BxLxE, down_bias_ExD)
