@@ -2,7 +2,7 @@
 (jit of value_and_grad of the output's sum, over q, k and v) at sequence 8W with window W, and the
 full-causal blockwise at the same sequence, for a few W.
 
-    python benchmarks/window.py [--windows 128 256 512] [--batch 1] [--heads 8] [--kv-heads 8]
+    python benchmarks/window.py [--windows 128 256 512 1024] [--batch 1] [--heads 8] [--kv-heads 8]
                                 [--head-dim 64] [--dtypes float32 bfloat16] [--repeats 5]
                                 [--window-blocks 64 128]
 
@@ -20,18 +20,20 @@ import time
 import jax
 import jax.numpy as jnp
 
-from maxtrain.ops import attention
+from maxtrain.ops import attention, window_attention
 
 
-def step(window: int, block: int | None):
-    """jit(value_and_grad) of blockwise attention's sum; `block` overrides window_block's choice."""
+def step(window: int, block: int | None, form: str = "stacked"):
+    """jit(value_and_grad) of blockwise attention's sum; `block` overrides window_block's choice, with
+    the windowed `form` (stacked keys, or banded) named."""
     variant = attention.Variant(window=window)
+    windowed = attention.window_blocks if form == "stacked" else window_attention.banded_blocks
 
     def loss(q, k, v, segment_ids):
         if block is None:
             out = attention.blockwise(q, k, v, segment_ids, variant)
         else:
-            out = attention.window_blocks(q, k, v, segment_ids, block, variant)
+            out = windowed(q, k, v, segment_ids, block, variant)
         return jnp.sum(out.astype(jnp.float32))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
@@ -44,7 +46,7 @@ def timed(fn, args) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--windows", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--windows", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -67,8 +69,8 @@ def main():
             k, v = (jax.random.normal(x, (args.batch, length, args.kv_heads, args.head_dim), dtype) for x in keys[1:])
             segment_ids = jnp.ones((args.batch, length), jnp.int32)
             inputs = jax.device_put((q, k, v, segment_ids), device)
-            blocks = [None, *args.window_blocks]
-            fns = {("full", None): step(0, None), **{("window", b): step(w, b) for b in blocks}}
+            blocks = [None, *[(b, form) for b in args.window_blocks for form in ("stacked", "banded")]]
+            fns = {("full", None): step(0, None), **{("window", b): step(w, *(b or (None,))) for b in blocks}}
             for fn in fns.values():  # compile and warm up
                 for _ in range(2):
                     timed(fn, inputs)
@@ -79,7 +81,8 @@ def main():
             full = statistics.median(seconds[("full", None)])
             for b in blocks:
                 windowed = statistics.median(seconds[("window", b)])
-                label = f"auto ({attention.window_block(w)})" if b is None else str(b)
+                form = "stacked" if jnp.dtype(dtype) == jnp.float32 else "banded"
+                label = f"auto ({attention.window_block(w, dtype)}, {form})" if b is None else f"{b[0]}, {b[1]}"
                 print(f"| {dtype} | {w} | {length} | {label} | {windowed * 1e3:.1f} | {full * 1e3:.1f} | "
                       f"{windowed / full:.3f} |", flush=True)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from maxtrain.infer.kv_cache import LayerCache
-from maxtrain.ops import attention
+from maxtrain.ops import attention, window_attention
 from maxtrain.ops.attention import Variant
 from maxtrain.parallel import context, mesh as mesh_lib, rules as rules_lib
 
@@ -102,9 +102,23 @@ def test_every_kernel_equals_the_dense_reference(kernel, sinks, variant):
     (1, 16, 48),      # each token sees only itself
     (500, 64, 256),   # a window longer than the sequence: full causal
 ])
-def test_blockwise_window_at_any_block(window, block, length):
-    variant = Variant(window=window, scale=0.3)
-    assert_matches_reference(lambda *a: attention.window_blocks(*a[:4], block, *a[4:]), length, variant)
+@pytest.mark.parametrize("form", ["stacked", "banded"])
+def test_blockwise_window_at_any_block(window, block, length, form):
+    """Both windowed forms (stacked keys: float32's; banded: bfloat16's), with sinks and a soft cap."""
+    variant = Variant(window=window, scale=0.3, softcap=4.0)
+    windowed = attention.window_blocks if form == "stacked" else window_attention.banded_blocks
+    assert_matches_reference(lambda *a: windowed(*a[:4], block, *a[4:]), length, variant)
+
+
+def test_bfloat16_takes_the_banded_form_and_matches_float32():
+    q, k, v, segments, sinks, _ = inputs(256)
+    variant = Variant(window=32)
+    as_bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    ours = attention.blockwise(*as_bf16, segments, variant, sinks)
+    banded = window_attention.banded_blocks(*as_bf16, segments, attention.window_block(32, jnp.bfloat16), variant, sinks)
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(banded, np.float32))
+    np.testing.assert_allclose(np.asarray(ours, np.float32), attention.blockwise(q, k, v, segments, variant, sinks),
+                               atol=3e-2)
 
 
 def test_blockwise_window_8w_default_block():

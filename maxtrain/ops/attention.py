@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtrain.ops import window_attention
+
 
 # blockwise's queries per block. On CPU 256 and 128 run alike at L = 512 and 64 is slower; fewer blocks
 # compile faster. At L <= 256 blockwise is dot_product exactly.
@@ -133,9 +135,12 @@ def dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Varia
 
 
 def blockwise(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Variant = PLAIN, sinks_H=None):
-    block = window_block(variant.window)
-    if variant.window and variant.window < q_BxLxHxK.shape[1] and block < q_BxLxHxK.shape[1]:
-        return window_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block, variant, sinks_H)
+    block, length = window_block(variant.window, q_BxLxHxK.dtype), q_BxLxHxK.shape[1]
+    if variant.window and variant.window < length and block < length:
+        # float32 on CPU: one wide matmul per block against its stacked keys is faster; bfloat16: the
+        # banded form, which never copies the keys (benchmarks/window.py)
+        windowed = window_blocks if q_BxLxHxK.dtype == jnp.float32 else window_attention.banded_blocks
+        return windowed(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block, variant, sinks_H)
     return _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block, variant, sinks_H)
 
 
@@ -172,11 +177,15 @@ def window_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int, 
     return out_BxCxQxNxGxK.reshape(b, c * block, h, k)[:, :length]
 
 
-def window_block(window: int) -> int:
-    """blockwise's queries per block: BLOCK, or with a window a quarter of it (at least 64). A block of Q
-    queries sees about Q + window keys, so smaller blocks waste less on the window's edges; on CPU blocks
-    of 64 ran as fast as 128 at windows of 128 and 256, and slower at 512 (benchmarks/window.py)."""
-    return BLOCK if not window else min(BLOCK, max(64, window // 4))
+def window_block(window: int, dtype=jnp.float32) -> int:
+    """blockwise's queries per block: BLOCK, or with a window a quarter of it (at least 64; bfloat16's
+    banded form: 128 from windows of 256). A block of Q queries sees about Q + window keys, so smaller
+    blocks waste less on the window's edges, and larger ones run larger matmuls (benchmarks/window.py)."""
+    if not window:
+        return BLOCK
+    if jnp.dtype(dtype) != jnp.float32:
+        return 128 if window >= 256 else 64
+    return min(BLOCK, max(64, window // 4))
 
 
 def _query_blocks(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, block: int, variant: Variant, sinks_H):
