@@ -80,6 +80,20 @@ MOE = ("num_experts=4", "num_experts_per_tok=2")
     (("rope_theta=1e308",), "rope_theta: 1e+308 is out of range (at most 3.403e+38 in magnitude: float32)"),
     (("head_dim=15",), "head_dim: 15 must be even (RoPE rotates pairs of dimensions)"),
     (("data_shuffle_seed=-5",), "data_shuffle_seed: must be >= 0, got -5"),
+    # the attention and block variants
+    (("sliding_window_size=-1",), "sliding_window_size: must be >= 0, got -1"),
+    (("global_layer_interval=2",), "global_layer_interval: needs sliding_window_size > 0 (without a window every "
+     "layer sees every key)"),
+    (("sliding_window_size=8", "global_layer_interval=3"), "global_layer_interval: 3 exceeds "
+     "base_num_decoder_layers=2: no layer would be global"),
+    (("local_rope_theta=0",), "local_rope_theta: must be > 0, or -1 (sliding layers use rope_theta)"),
+    (("rope_type=dynamic",), "rope_type: 'dynamic' is not one of llama3, linear, yarn"),
+    (("mlp_activation=relu",), "mlp_activation: 'relu' is not one of silu, gelu_tanh, clamped_swiglu"),
+    (("mlp_activation_limit=0",), "mlp_activation_limit: must be > 0"),
+    (("rope_yarn_beta_fast=1",), "rope_yarn_beta_fast: must exceed rope_yarn_beta_slow=1.0"),
+    (("sliding_window_size=8", "global_layer_interval=2", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
+     "global_layer_interval: a pattern of sliding and global layers cannot be pipelined yet "
+     "(ici/dcn_pipeline_parallelism=1)"),
 ])
 def test_out_of_range_numbers_are_one_line(overrides, expected, capsys, tmp_path):
     assert refusal([TINY, f"base_output_directory={tmp_path}", *overrides], capsys) == f"config error: {expected}"

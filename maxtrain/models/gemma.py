@@ -84,9 +84,7 @@ def _global_rope(config: dict) -> dict:
     """Gemma 3: the global layers' rope parameters (per layer type in transformers >= 5; older files:
     rope_theta and rope_scaling for them, rope_local_base_freq for the sliding ones)."""
     params = config.get("rope_parameters") or {}
-    if config.get("model_type") != "gemma3_text" or "full_attention" not in params:
-        return hf.flat_rope(config) if "full_attention" not in params else params["full_attention"]
-    return dict(params["full_attention"])
+    return dict(params["full_attention"]) if "full_attention" in params else hf.flat_rope(config)
 
 
 def _local_theta(config: dict) -> float:
