@@ -27,6 +27,7 @@ from maxtrain.models import stacks as stacks_lib
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.axes import EXPERT_WEIGHT_AXES
 from maxtrain.models.layers import MLP, activate, bias, dense_weight
+from maxtrain.parallel.rules import constrain
 
 
 
@@ -62,8 +63,11 @@ class MoEBlock(nn.Module):
         y_BxLxD = a.plan.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, (gate_ExDxF, up_ExDxF, down_ExFxD), cap,
                                     biases, functools.partial(activate, a=a))
         if a.mlp_bias:  # the down bias, sum_k w_k bias[e_k], outside the experts' work: added once however the
-            # experts' width splits; a dropped assignment (expert e) picks none
-            down_bias_ExD = bias(self, "bo", (e, a.embed), ("experts", "embed"))
+            # experts' width splits; a dropped assignment (expert e) picks none. The [E, D] bias is made whole
+            # on every device first, so its gradient is each device's own tokens summed, then one all-reduce:
+            # sharded as stored (its experts on an axis that also splits the batch), XLA:TPU gathered the
+            # whole batch's output gradient onto each device for it (11 GiB a chip at gpt-oss-120b's size)
+            down_bias_ExD = constrain(bias(self, "bo", (e, a.embed), ("experts", "embed")), (None, None))
             picked_BxLxE = jnp.einsum("blk,blke->ble", weights_BxLxK, jax.nn.one_hot(experts_BxLxK, e, dtype=a.dtype))
             y_BxLxD = y_BxLxD + jnp.einsum("ble,ed->bld", picked_BxLxE, down_bias_ExD)
         if a.shared_experts:  # always-on experts (DeepSeek, Qwen2-MoE), one SwiGLU of their joint width
