@@ -45,8 +45,8 @@ from maxtrain.runtime.errors import ConvertError
 from maxtrain.checkpoint.hf_format import (HF_SIDE_FILES, SafetensorsDir, Tensor, hf_names, read_json,
                                 tokenizer_settings)
 from maxtrain.models import registry, stacks as stacks_lib
-from maxtrain.models.hf import (FUSED_EXPERTS_NAME, hf_config_for, hf_kind, model_keys_from_hf, tensor_table,
-                                with_defaults)
+from maxtrain.models.hf import (FUSED_EXPERTS_NAME, LayerTensors, hf_config_for, hf_kind, model_keys_from_hf,
+                                mtp_copies, mtp_depths, tensor_table, with_defaults)
 from maxtrain.checkpoint.staging import check_out, staged, unwritable
 
 
@@ -58,11 +58,6 @@ class _QuietStepMetadata(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_QuietStepMetadata())
-
-
-def layer_stacks(m) -> list[tuple[str, list[int]]]:
-    """(name of the scanned stack, the layers in it) as the model's family lays them out for model keys `m`."""
-    return [(s.name, list(s.layers)) for s in registry.spec_for(m).stacks(m)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +82,8 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
                     shown: str | None = None) -> Path:
     hf = read_json(hf_path / "config.json")
     hf_keys = model_keys_from_hf(hf)
+    reader = SafetensorsDir(hf_path)
+    hf_keys["mtp_num_layers"] = mtp_depths(hf, hf_keys, reader.shapes)  # DeepSeek's, where the files hold them
     base = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides])
     if config_path:  # the named config must describe this very model
         for key, value in hf_keys.items():
@@ -96,10 +93,10 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
                          *(f"{k}={_as_override(v)}" for k, v in hf_keys.items())])
     tokenizer = tokenizer_settings(hf_path, with_defaults(hf), out_path / "hf")
 
-    reader = SafetensorsDir(hf_path)
-    whole, layer = tensor_table(hf_keys, fused_experts=c.num_experts > 1 and FUSED_EXPERTS_NAME in reader.shapes)
+    fused = c.num_experts > 1 and any(name.endswith(FUSED_EXPERTS_NAME) for name in reader.shapes)
+    whole, groups = tensor_table(c, fused_experts=fused, hf=hf)
     expected = {t.hf_name: t.hf_shape for t in whole}
-    expected |= {name: t.hf_shape for i in range(c.base_num_decoder_layers) for t in layer for name in hf_names(t, i)}
+    expected |= {name: t.hf_shape for g in groups for i in g.indices for t in g.tensors for name in hf_names(t, i)}
     for name, shape in expected.items():
         if name not in reader.shapes:
             raise ConvertError(f"{name}: missing from {hf_path}")
@@ -107,12 +104,13 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
             raise ConvertError(f"{name}: shape {list(reader.shapes[name])} in {hf_path}, "
                                f"the config implies {list(shape)}")
     ignored = {"lm_head.weight"} if c.logits_via_embedding else set()  # tied: a copy of the embedding
+    ignored |= set(mtp_copies(c))
     extra = sorted(n for n in reader.shapes if n not in expected and n not in ignored and "rotary_emb" not in n)
     if extra:
         raise ConvertError(f"{extra[0]}: unexpected tensor in {hf_path} ({len(extra)} in all); "
                            f"the model is not a plain {hf['model_type']}")
 
-    params = read_hf_params(reader, c, whole, layer)
+    params = read_hf_params(reader, c, whole, groups)
     with staged(out_path) as tmp:
         try:
             ckpt_loading.save_parameters(tmp, params, c)
@@ -142,7 +140,7 @@ def _host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
-def read_hf_params(reader: SafetensorsDir, c: config_lib.Config, whole: list[Tensor], layer: list[Tensor]):
+def read_hf_params(reader: SafetensorsDir, c: config_lib.Config, whole: list[Tensor], groups: list[LayerTensors]):
     """maxtrain's parameter tree, built one HF tensor at a time from memory maps into CPU jax arrays
     (which Orbax writes without another host copy): the peak is the model once, in weight_dtype."""
     dtype = jax.numpy.dtype(c.weight_dtype)
@@ -168,13 +166,13 @@ def read_hf_params(reader: SafetensorsDir, c: config_lib.Config, whole: list[Ten
     params: dict[str, Any] = {}
     for t in whole:
         _put(params, t.path, load(t, [None], stack=False))
-    for t in layer:
-        for stack, layers in layer_stacks(c):
-            if c.scan_layers:
-                _put(params, (stack, *t.path), load(t, layers, stack=True))
+    for g in groups:
+        for t in g.tensors:
+            if g.single or c.scan_layers:
+                _put(params, g.params_path(t, c.scan_layers), load(t, g.indices, stack=not g.single))
             else:
-                for i in layers:
-                    _put(params, (stacks_lib.unrolled(i), *t.path), load(t, [i], stack=False))
+                for i in g.indices:
+                    _put(params, g.params_path(t, False, i), load(t, [i], stack=False))
     return params
 
 
@@ -288,7 +286,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
                                f"checkpoint {m[differ[0]]!r})")
     dtype = dtype or np.dtype(ckpt.metadata["embedding"].dtype).name
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
-    whole, layer = tensor_table(m, joined=True)  # a joined tensor goes out with the parameter it joins
+    whole, groups = tensor_table(m, joined=True)  # a joined tensor goes out with the parameter it joins
 
     def split(t: Tensor, i: int, x, joined):  # (HF name, HF array) of a layer's parameter: one, or one per expert
         return zip(hf_names(t, i), (t.to_hf(x[e]) for e in range(t.experts)) if t.experts else [t.to_hf(x, *joined)])
@@ -296,16 +294,20 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
     def tensors():  # (HF name, HF array), one at a time
         for t in whole:
             yield t.hf_name, t.to_hf(ckpt.read(*t.path))
-        for stack, layers in layer_stacks(m):
-            if m["scan_layers"]:
-                for t in layer:
-                    stacked, joined = ckpt.read(stack, *t.path), [ckpt.read(stack, *path) for path in t.joins]
-                    for j, i in enumerate(layers):
+        by_name = {t.hf_name: t for t in whole}
+        for name, copied in mtp_copies(m).items():
+            t = by_name[copied if copied in by_name else "model.embed_tokens.weight"]  # tied: the embedding
+            yield name, t.to_hf(ckpt.read(*t.path))
+        for g in groups:
+            if m["scan_layers"] and not g.single:
+                for t in g.tensors:
+                    stacked, joined = ckpt.read(g.name, *t.path), [ckpt.read(g.name, *path) for path in t.joins]
+                    for j, i in enumerate(g.indices):
                         yield from split(t, i, stacked[j], [x[j] for x in joined])
             else:
-                for i in layers:
-                    params_i = ckpt.read(stacks_lib.unrolled(i))
-                    for t in layer:
+                for i in g.indices:
+                    params_i = ckpt.read(g.name if g.single else stacks_lib.unrolled(i))
+                    for t in g.tensors:
                         yield from split(t, i, _get(params_i, t.path), [_get(params_i, p) for p in t.joins])
 
     from safetensors.numpy import save_file

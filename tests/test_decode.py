@@ -204,7 +204,7 @@ def test_the_cache_splits_rows_over_batch_then_kv_heads_and_costs_its_formula(im
     assert keys.shape == (4 * 2, shape.slots, 16) and tuple(keys.sharding.spec)[:1] == (("fsdp", "tensor"),)
     assert all(axes is None for axes in tuple(keys.sharding.spec)[1:])
     total = sum(x.nbytes for x in (*cache.keys, *cache.values))
-    assert total == 2 * shape.rows * shape.slots * bytes_per_slot(kv_heads=2, head_dim=16, dtype=jnp.float32)
+    assert total == shape.rows * shape.slots * bytes_per_slot(engine.args) == 2 * shape.rows * shape.slots * 2 * 16 * 4
     assert np.asarray(start).tolist() == [27, 30, 13, 27]  # left-padded to 32; the unused row copies the first
 
 

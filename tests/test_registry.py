@@ -13,19 +13,27 @@ import pytest
 from maxtrain.data import pipeline as data
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.models import moe, hf, registry
+from maxtrain.runtime.errors import ConvertError
 from maxtrain.training import step as step_lib
 
 MOE = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true", "base_moe_mlp_dim=32")
 DEEPSEEK_TINY = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
                  "routed_score_func=sigmoid", "norm_topk_prob=true", "routed_scaling_factor=2.5",
                  "routed_bias=true", "base_moe_mlp_dim=32", "base_num_decoder_layers=3")
+MLA = ("attention_type=mla", "base_num_kv_heads=4", "q_lora_rank=24", "kv_lora_rank=16", "qk_nope_head_dim=16",
+       "qk_rope_head_dim=8", "v_head_dim=12")
 # (family, HF model_type or None, overrides); vocab 200 pads to 256, which no count includes
 CASES = {
     "llama": ("llama", "llama", ()),
     "llama-tied-qwen2": ("llama", "qwen2", ("qkv_bias=true", "logits_via_embedding=true")),
     "mixtral": ("mixtral", "mixtral", MOE),
     "qwen3_moe": ("qwen3_moe", "qwen3_moe", (*MOE, "use_qk_norm=true")),
-    "deepseek": ("deepseek", None, DEEPSEEK_TINY),
+    "deepseek-gqa": ("deepseek", None, DEEPSEEK_TINY),
+    "deepseek_v3": ("deepseek", "deepseek_v3", (*DEEPSEEK_TINY, *MLA, "n_routing_groups=4", "topk_routing_group=2")),
+    "deepseek_v2": ("deepseek", "deepseek_v2", (*DEEPSEEK_TINY, *MLA, "q_lora_rank=0", "routed_score_func=softmax",
+                                                "routed_bias=false", "norm_topk_prob=false")),
+    # multi-token prediction's depth (a layer like the last, its norms and projection): no HF model counts it
+    "deepseek_v3-mtp": ("deepseek", None, (*DEEPSEEK_TINY, *MLA, "mtp_num_layers=2")),
 }
 
 
@@ -45,7 +53,9 @@ def transformers_count(c) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.for_model(config.pop("model_type"), **config))
-    return sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    # tied embeddings counted once; DeepSeek-V3's balancing bias is a buffer in its checkpoints
+    return (sum(p.numel() for p in model.parameters())
+            + sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -56,17 +66,36 @@ def test_each_family_counts_its_parameters_as_its_model_and_transformers_do(tiny
     assert spec.name == family
     assert spec.count_params(c, False) == c.num_params == built_count(c)
     if hf_type is None:
-        assert spec.hf is None
+        assert c.attention_type == "mla" or registry.spec_for(c).hf is None or _refused(c)
     else:
         assert hf.hf_kind(dict(c)) == hf_type and registry.by_hf_type(hf_type) is spec
         assert transformers_count(c) == c.num_params
     if c.num_experts > 1:  # a token uses its top-k of the routed experts, and no balancing bias
-        moe_layers = c.base_num_decoder_layers - c.first_num_dense_layers
+        moe_layers = c.base_num_decoder_layers - c.first_num_dense_layers + c.mtp_num_layers
         unused = moe_layers * 3 * c.base_emb_dim * 32 * (c.num_experts - c.num_experts_per_tok)
         bias = moe_layers * c.num_experts if c.routed_bias else 0
         assert c.num_active_params == c.num_params - unused - bias
     else:
         assert c.num_active_params == c.num_params
+
+
+def _refused(c) -> bool:
+    try:
+        hf.hf_kind(dict(c))
+    except ConvertError:
+        return True
+    return False
+
+
+def test_mtp_depths_count_beside_the_model_transformers_builds(tiny_config):
+    with_depths = tiny_config("vocab_size=200", *CASES["deepseek_v3-mtp"][2])
+    without = tiny_config("vocab_size=200", *CASES["deepseek_v3-mtp"][2], "mtp_num_layers=0")
+    assert transformers_count(with_depths) == without.num_params < with_depths.num_params
+    deeper = tiny_config("vocab_size=200", *CASES["deepseek_v3-mtp"][2], "mtp_num_layers=0",
+                         f"base_num_decoder_layers={without.base_num_decoder_layers + 1}")
+    moe_layer, d = deeper.num_params - without.num_params, without.base_emb_dim
+    # each depth: a layer like the last (MoE), its embedding, hidden and output norms, its [2D, D] projection
+    assert with_depths.num_params - without.num_params == 2 * (moe_layer + 3 * d + 2 * d * d)
 
 
 def test_every_hf_type_belongs_to_one_family_and_export_refuses_the_rest():

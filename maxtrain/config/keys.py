@@ -27,14 +27,16 @@ MODEL_KEYS = (
     "attention_out_bias", "query_pre_attn_scalar", "sliding_window_size", "global_layer_interval", "local_rope_theta",
     "attention_sinks", "attn_logit_softcapping", "final_logit_softcapping", "scale_embedding", "rms_norm_plus_one",
     "use_post_attn_norm", "use_post_ffw_norm", "mlp_activation", "mlp_activation_limit", "mlp_bias",
-    "router_logit_bias",
+    "router_logit_bias", "attention_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "n_routing_groups", "topk_routing_group",
+    "mtp_num_layers",
 )
 # Keys that name files or directories: each may be a local path or a URL (maxtrain.runtime.storage).
 PATH_KEYS = ("prompt_file", "base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
              "load_parameters_path")
 # Training settings a model carries with it (a preset, an HF config.json, a checkpoint's description: HF's
 # router_aux_loss_coef), which a fine-tune may change: never part of the model's shape.
-MODEL_TRAINING_KEYS = ("load_balance_loss_weight",)
+MODEL_TRAINING_KEYS = ("load_balance_loss_weight", "mtp_loss_scaling_factor")
 PRESET_KEYS = (*MODEL_KEYS, *MODEL_TRAINING_KEYS)
 # Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.models.remat.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -51,6 +53,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "routed_score_func": ("softmax", "sigmoid"),
     "rope_type": ("llama3", "linear", "yarn"),
     "mlp_activation": ("silu", "gelu_tanh", "clamped_swiglu"),
+    "attention_type": ("gqa", "mla"),
     "moe_grouped_matmul": ("auto", "megablox", "ragged_dot", "blocked"),
     "quantization": ("", *quantization.MODES),
 }

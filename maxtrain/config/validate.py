@@ -106,6 +106,8 @@ def validate(c: dict[str, Any]) -> None:
         if list(sizes.values()).count(-1) > 1:
             raise ConfigError(f"{group}_*_parallelism", "at most one axis per group may be -1")
     _validate_moe(c)
+    _validate_mla(c)
+    _validate_mtp(c)
     pipeline_settings(c)
     quantization.validate(c, ConfigError)
     _validate_rules(c["logical_axis_rules"])
@@ -137,6 +139,43 @@ def _validate_attention_variants(c: dict[str, Any]) -> None:
         raise ConfigError("mlp_activation_limit", "must be > 0")
 
 
+# What multi-head latent attention does not do (yet): each of these keys must keep its plain value.
+MLA_EXCLUDES = (("sliding_window_size", 0), ("attention_sinks", False), ("use_qk_norm", False), ("qkv_bias", False),
+                ("attention_out_bias", False), ("attn_logit_softcapping", 0.0))
+
+
+def _validate_mla(c: dict[str, Any]) -> None:
+    if c["rope_yarn_mscale"] < 0 or c["rope_yarn_mscale_all_dim"] < 0:
+        raise ConfigError("rope_yarn_mscale" if c["rope_yarn_mscale"] < 0 else "rope_yarn_mscale_all_dim",
+                          "must be >= 0 (0 = not set)")
+    if c["attention_type"] != "mla":
+        return
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if c[key] <= 0:
+            raise ConfigError(key, f"must be a positive integer with attention_type=mla, got {c[key]}")
+    if c["q_lora_rank"] < 0:
+        raise ConfigError("q_lora_rank", f"must be >= 0 (0 = a full query projection), got {c['q_lora_rank']}")
+    if c["qk_rope_head_dim"] % 2:
+        raise ConfigError("qk_rope_head_dim", f"{c['qk_rope_head_dim']} must be even (RoPE rotates pairs)")
+    if c["base_num_kv_heads"] != c["base_num_query_heads"]:
+        raise ConfigError("base_num_kv_heads", f"{c['base_num_kv_heads']}: with attention_type=mla every query head "
+                          f"has its own keys and values (set it to base_num_query_heads={c['base_num_query_heads']})")
+    for key, plain in MLA_EXCLUDES:
+        if c[key] != plain:
+            raise ConfigError(key, f"{c[key]!r} is not supported with attention_type=mla (needs {plain!r})")
+
+
+def _validate_mtp(c: dict[str, Any]) -> None:
+    if c["mtp_num_layers"] < 0 or c["mtp_num_layers"] >= c["max_target_length"]:
+        raise ConfigError("mtp_num_layers", f"must be in [0, max_target_length={c['max_target_length']}), got "
+                          f"{c['mtp_num_layers']}")
+    if c["mtp_loss_scaling_factor"] < 0:
+        raise ConfigError("mtp_loss_scaling_factor", "must be >= 0")
+    if c["mtp_num_layers"] and c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
+        raise ConfigError("mtp_num_layers", "multi-token prediction cannot be pipelined yet "
+                          "(ici/dcn_pipeline_parallelism=1)")
+
+
 def _validate_sampling(c: dict[str, Any]) -> None:
     if 0 < c["temperature"] < 1e-6:  # logits / temperature in float32: below this, greedy with extra steps
         raise ConfigError("temperature", f"must be 0 (greedy) or at least 1e-6, got {c['temperature']}")
@@ -160,12 +199,26 @@ def _validate_moe(c: dict[str, Any]) -> None:
     if c["routed_scaling_factor"] <= 0:
         raise ConfigError("routed_scaling_factor", "must be > 0")
     if c["num_experts"] == 1:  # a dense model: the MoE keys that shape the model must stay at their defaults
-        for key in ("shared_experts", "first_num_dense_layers", "routed_bias"):
-            if c[key]:
+        for key in ("shared_experts", "first_num_dense_layers", "routed_bias", "n_routing_groups"):
+            if c[key] and not (key == "n_routing_groups" and c[key] == -1):
                 raise ConfigError(key, "needs num_experts > 1 (a mixture of experts)")
-    elif c["first_num_dense_layers"] >= c["base_num_decoder_layers"]:
+        return
+    if c["first_num_dense_layers"] >= c["base_num_decoder_layers"]:
         raise ConfigError("first_num_dense_layers", f"{c['first_num_dense_layers']} leaves no MoE layer of "
                           f"base_num_decoder_layers={c['base_num_decoder_layers']}")
+    groups, top = c["n_routing_groups"], c["topk_routing_group"]
+    if (groups == -1) != (top == -1):
+        key = "topk_routing_group" if groups != -1 else "n_routing_groups"
+        raise ConfigError(key, "n_routing_groups and topk_routing_group are set together (both -1: no groups)")
+    if groups == -1:
+        return
+    if groups <= 0 or c["num_experts"] % groups:
+        raise ConfigError("n_routing_groups", f"{groups} must be positive and divide num_experts={c['num_experts']}")
+    if not 0 < top <= groups:
+        raise ConfigError("topk_routing_group", f"{top} must be in [1, n_routing_groups={groups}]")
+    if c["num_experts_per_tok"] > top * (c["num_experts"] // groups):
+        raise ConfigError("num_experts_per_tok", f"{c['num_experts_per_tok']} exceeds the {top} groups' "
+                          f"{top * (c['num_experts'] // groups)} experts a token may pick from")
 
 
 def pipeline_settings(c: Mapping[str, Any]) -> dict[str, int]:

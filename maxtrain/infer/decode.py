@@ -188,7 +188,7 @@ class Engine:
 
     def cache_gib(self, shape: Shape) -> float:
         """The KV cache's GiB per device (the rows split over the batch's shards)."""
-        per_slot = bytes_per_slot(self.args.kv_heads, self.args.head_dim, self.args.dtype)
+        per_slot = bytes_per_slot(self.args)
         return self.args.layers * shape.rows * shape.slots * per_slot / self.batch_shards / fit.GiB
 
     def _check_memory(self, shape: Shape, *programs) -> None:

@@ -1,7 +1,8 @@
 """The KV cache: every layer's keys and values of the sequences being decoded, written once per position.
 
 Layout. Each layer holds keys and values as [R, S, K]: R = B x N rows, one per (sequence, kv head) pair,
-S slots, K the head dim; the cache is in the compute dtype. Rows rather than [B, N, S, K] because
+S slots, K the head dim; the cache is in the compute dtype. Multi-head latent attention (maxtrain.models.mla)
+keeps one row per sequence: as keys its rotary key part, as values its latent (`layout`). Rows rather than [B, N, S, K] because
 XLA:CPU updates the cache in place and feeds it to the attention matmul only when the matmul takes the
 updated array as it is: with one sequence, [1, N, S, K] needs a reshape between them, and XLA then
 copies the whole cache, twice per layer and step (seen in the compiled program). The rows split over
@@ -9,7 +10,8 @@ the batch's mesh axes and then the kv heads' (together, exactly as the two dimen
 slots over the rules' `cache_length` axes (context by default: each device scores its share of the
 slots, and the softmax's sums are reduced across them), the head dim as `head_dim`.
 
-Memory: 2 (keys and values) x N x K x bytes per element, per slot, per layer, per sequence.
+Memory: 2 (keys and values) x N x K x bytes per element, per slot, per layer, per sequence (MLA: its
+qk_rope_head_dim + kv_lora_rank elements).
 
 Left padding. Prompts end at the same slot: sequence b fills slots start_b .. P-1, so every decode step
 writes all sequences at one slot (`index`), and the position of slot j in sequence b is j - start_b.
@@ -34,9 +36,18 @@ from maxtrain.parallel.rules import active_axes, active_mesh
 AXES = ("batch", "cache_length", "kv_heads", "head_dim")  # the logical axes of a layer's keys or values
 
 
-def bytes_per_slot(kv_heads: int, head_dim: int, dtype) -> int:
+def layout(args) -> tuple[int, int, int]:
+    """(rows per sequence, key width, value width) of a layer's cache: GQA's kv heads, each of head_dim;
+    MLA's one row of its rotary key and its latent."""
+    if args.mla:
+        return 1, args.qk_rope_head_dim, args.kv_lora_rank
+    return args.kv_heads, args.head_dim, args.head_dim
+
+
+def bytes_per_slot(args) -> int:
     """One layer's cache for one position of one sequence: keys and values."""
-    return 2 * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    rows, keys, values = layout(args)
+    return rows * (keys + values) * jnp.dtype(args.dtype).itemsize
 
 
 def _constrain(x_RxSxK, batch: int, kv_heads: int):
@@ -78,27 +89,37 @@ class LayerCache:
         """(attention output [B,L,H,K], this layer's cache with k and v written). A prefill attends
         within the prompts by the training `kernel` (the cache holds nothing else yet); a decode step
         against the cache, each query seeing its sequence's slots up to its own (and within the window)."""
-        slots = self.keys_RxSxK.shape[1]
-        at = _physical(self.index, slots, self.ring)  # a decode step's one slot; a prefill's from 0
-        keys_RxSxK = _write(self.keys_RxSxK, k_BxLxNxK, at)
-        values_RxSxK = _write(self.values_RxSxK, v_BxLxNxK, at)
+        written = self.write(k_BxLxNxK, v_BxLxNxK)
         if self.prefill:
             ctx_BxLxHxK = kernel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant, sinks_H)
         else:
-            query_slots_Lx1 = (self.index + jnp.arange(q_BxLxHxK.shape[1]))[:, None]
-            slots_LxS = jnp.broadcast_to(jnp.arange(slots), (q_BxLxHxK.shape[1], slots))
-            written_LxS = True
-            if self.ring:  # the logical slot each ring slot holds now: the latest at or before the query's
-                in_ring_LxS = slots_LxS >= slots - self.ring
-                slots_LxS = jnp.where(in_ring_LxS, query_slots_Lx1 - (query_slots_Lx1 - slots_LxS) % self.ring,
-                                      slots_LxS)
-                written_LxS = ~in_ring_LxS | (slots_LxS >= slots - self.ring)
-            mask_BxLxS = ((slots_LxS[None] >= self.start_B[:, None, None]) & (slots_LxS <= query_slots_Lx1)[None]
-                          & written_LxS)
-            if variant.window:
-                mask_BxLxS = mask_BxLxS & (slots_LxS > query_slots_Lx1 - variant.window)[None]
-            ctx_BxLxHxK = against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS, variant, sinks_H)
-        return ctx_BxLxHxK, self.replace(keys_RxSxK=keys_RxSxK, values_RxSxK=values_RxSxK)
+            ctx_BxLxHxK = against_cache(q_BxLxHxK, written.keys_RxSxK, written.values_RxSxK,
+                                        self.mask(q_BxLxHxK.shape[1], variant.window), variant, sinks_H)
+        return ctx_BxLxHxK, written
+
+    def write(self, k_BxLxNxK, v_BxLxNxK) -> "LayerCache":
+        """This layer's cache with the call's keys and values written at its slots."""
+        at = _physical(self.index, self.keys_RxSxK.shape[1], self.ring)  # a decode step's one slot; a prefill's from 0
+        return self.replace(keys_RxSxK=_write(self.keys_RxSxK, k_BxLxNxK, at),
+                            values_RxSxK=_write(self.values_RxSxK, v_BxLxNxK, at))
+
+    def mask(self, length: int, window: int = 0):
+        """[B, L, S]: the slots each of the call's `length` queries sees (after `write`): its sequence's, up
+        to its own, within the window, written."""
+        slots = self.keys_RxSxK.shape[1]
+        query_slots_Lx1 = (self.index + jnp.arange(length))[:, None]
+        slots_LxS = jnp.broadcast_to(jnp.arange(slots), (length, slots))
+        written_LxS = True
+        if self.ring:  # the logical slot each ring slot holds now: the latest at or before the query's
+            in_ring_LxS = slots_LxS >= slots - self.ring
+            slots_LxS = jnp.where(in_ring_LxS, query_slots_Lx1 - (query_slots_Lx1 - slots_LxS) % self.ring,
+                                  slots_LxS)
+            written_LxS = ~in_ring_LxS | (slots_LxS >= slots - self.ring)
+        mask_BxLxS = ((slots_LxS[None] >= self.start_B[:, None, None]) & (slots_LxS <= query_slots_Lx1)[None]
+                      & written_LxS)
+        if window:
+            mask_BxLxS = mask_BxLxS & (slots_LxS > query_slots_Lx1 - window)[None]
+        return mask_BxLxS
 
 
 @flax.struct.dataclass
@@ -115,9 +136,9 @@ class KVCache:
         """A cache of `slots` slots for len(start_B) sequences, ready for their prefill, its last `ring`
         a ring (every layer sliding, ring >= the window). Call under the mesh."""
         assert not ring or (args.window and not args.global_interval and ring >= args.window), ring
-        b, n, k = start_B.shape[0], args.kv_heads, args.head_dim
-        zeros = lambda: _constrain(jnp.zeros((b * n, slots, k), args.dtype), b, n)  # noqa: E731
-        return cls(tuple(zeros() for _ in range(args.layers)), tuple(zeros() for _ in range(args.layers)),
+        b, (n, k, v) = start_B.shape[0], layout(args)
+        zeros = lambda width: _constrain(jnp.zeros((b * n, slots, width), args.dtype), b, n)  # noqa: E731
+        return cls(tuple(zeros(k) for _ in range(args.layers)), tuple(zeros(v) for _ in range(args.layers)),
                    start_B.astype(jnp.int32), jnp.zeros((), jnp.int32), prefill=True, ring=ring)
 
     @property

@@ -61,6 +61,16 @@ class ModelArgs:
     norm_topk_prob: bool
     routed_bias: bool
     routed_scaling_factor: float
+    # DeepSeek's multi-head latent attention (maxtrain.models.mla) in place of GQA
+    mla: bool
+    q_lora_rank: int  # 0 = a full query projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    routing_groups: int  # group-limited routing: the experts' groups, and how many a token picks from; 0 = none
+    routing_top_groups: int
+    mtp_layers: int  # multi-token prediction depths (maxtrain.models.mtp); 0 = none
     plan: Plan  # how the layers run: kernels, chunks, remat, the scan's unroll (maxtrain.parallel.plan)
 
     @classmethod
@@ -71,7 +81,7 @@ class ModelArgs:
             layers=c.base_num_decoder_layers, rope=Rope.from_config(c),
             local_rope=Rope.from_config(c, None if c.local_rope_theta == -1 else c.local_rope_theta),
             window=c.sliding_window_size, global_interval=c.global_layer_interval,
-            query_scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5, sinks=c.attention_sinks,
+            query_scale=query_scale(c), sinks=c.attention_sinks,
             attn_softcap=c.attn_logit_softcapping, final_softcap=c.final_logit_softcapping,
             attention_out_bias=c.attention_out_bias, scale_embedding=c.scale_embedding,
             norm_plus_one=c.rms_norm_plus_one, post_attn_norm=c.use_post_attn_norm, post_ffw_norm=c.use_post_ffw_norm,
@@ -86,7 +96,16 @@ class ModelArgs:
             capacity_factor=c.capacity_factor, routed_score_func=c.routed_score_func,
             norm_topk_prob=c.norm_topk_prob, routed_bias=c.routed_bias,
             routed_scaling_factor=c.routed_scaling_factor,
+            mla=c.attention_type == "mla", q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+            qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+            routing_groups=max(c.n_routing_groups, 0), routing_top_groups=max(c.topk_routing_group, 0),
+            mtp_layers=c.mtp_num_layers,
             plan=Plan.from_resolved(c) if isinstance(c, Resolved) else Plan.single_device(c))
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of a head's queries and keys (MLA: the part without RoPE and the part with it)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
 
     def slides(self, layer: int) -> bool:
         """Whether layer `layer` (counted over the whole model) attends within the window."""
@@ -106,3 +125,12 @@ class ModelArgs:
         return [(s.name, s.count, s.moe) for s in stacks_lib.stacks(self.layers, self.num_experts,
                                                                      self.first_dense_layers)]
 
+
+
+def query_scale(c) -> float:
+    """The attention scores' scale: (query_pre_attn_scalar, or the q/k head width) ** -0.5; with MLA under
+    yarn with HF's mscale_all_dim, times m(mscale_all_dim) ** 2, as DeepSeek's attention."""
+    if c.attention_type != "mla":
+        return (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+    scale = (c.query_pre_attn_scalar or c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
+    return scale * Rope.from_config(c).yarn_scale(c.rope_yarn_mscale_all_dim) ** 2 if c.rope_yarn_mscale_all_dim else scale

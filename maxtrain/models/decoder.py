@@ -20,6 +20,8 @@ from maxtrain.models import moe, stacks as stacks_lib
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.attention import Attention
 from maxtrain.models.layers import MLP, RMSNorm, dense_weight
+from maxtrain.models.mla import MLAttention
+from maxtrain.models.mtp import MTPDepth
 from maxtrain.parallel.rules import constrain
 
 
@@ -32,7 +34,8 @@ class DecoderLayer(nn.Module):
         """`layer`: the index of this layer in the model, where some layers slide and some do not."""
         a, axes = self.args, ("batch", "length", "embed")
         x_BxLxD = constrain(x_BxLxD, axes)
-        h, cache = Attention(a, name="attention")(RMSNorm(a, name="attention_norm")(x_BxLxD),
+        attention = MLAttention if a.mla else Attention  # DeepSeek's latent attention, or GQA
+        h, cache = attention(a, name="attention")(RMSNorm(a, name="attention_norm")(x_BxLxD),
                                                   positions_BxL, segment_ids_BxL, layer, cache)
         if a.post_attn_norm:  # Gemma's sandwich norms: the block's output normalized before the residual
             h = RMSNorm(a, name="post_attention_norm")(h)
@@ -48,10 +51,13 @@ class Decoder(nn.Module):
     args: ModelArgs
 
     @nn.compact
-    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, return_hidden=False, cache=None):
+    def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, return_hidden=False, cache=None,
+                 mtp_tokens_MxBxL=None):
         """Logits [B,L,V] in float32; with return_hidden, (final hidden [B,L,D], output matrix [D,V] in
-        its stored dtype) so the loss can form the logits chunk by chunk. With a KV cache
-        (maxtrain.infer.kv_cache; unrolled layers only), (that, the cache with these tokens written)."""
+        its stored dtype) so the loss can form the logits chunk by chunk, and with each multi-token
+        prediction depth's input tokens (maxtrain.models.mtp) a third, each depth's final hidden [M,B,L,D].
+        With a KV cache (maxtrain.infer.kv_cache; unrolled layers only), (that, the cache with these
+        tokens written)."""
         a = self.args
         if cache is not None and a.scan_layers:
             raise ValueError("decoding with a KV cache runs unrolled layers: maxtrain.infer unstacks them")
@@ -62,9 +68,11 @@ class Decoder(nn.Module):
 
         embed_init = nn.with_logical_partitioning(nn.initializers.normal(a.embed ** -0.5), ("vocab", "embed"))
         embedding_VxD = self.param("embedding", embed_init, (a.padded_vocab, a.embed), a.weight_dtype)
-        x_BxLxD = a.plan.embed(embedding_VxD, tokens_BxL, a.dtype)
-        if a.scale_embedding:  # Gemma
-            x_BxLxD = x_BxLxD * jnp.asarray(a.embed ** 0.5, a.dtype)
+
+        def embed(tokens_BxL):
+            x_BxLxD = a.plan.embed(embedding_VxD, tokens_BxL, a.dtype)
+            return x_BxLxD * jnp.asarray(a.embed ** 0.5, a.dtype) if a.scale_embedding else x_BxLxD  # Gemma
+        x_BxLxD = embed(tokens_BxL)
 
         layer = a.plan.remat(DecoderLayer, a.scan_layers)
         first, stacks, layer_caches = 0, a.stacks(), []
@@ -92,13 +100,26 @@ class Decoder(nn.Module):
                     layer_caches.append(written)
             first += count
 
+        depths_MxBxLxD = None
+        if a.mtp_layers and cache is None and (mtp_tokens_MxBxL is not None or self.is_initializing()):
+            if mtp_tokens_MxBxL is None:  # init: any tokens make the depths' parameters
+                mtp_tokens_MxBxL = jnp.broadcast_to(tokens_BxL, (a.mtp_layers, *tokens_BxL.shape))
+            hidden_BxLxD, normed = x_BxLxD, []
+            for k in range(1, a.mtp_layers + 1):
+                hidden_BxLxD, out_BxLxD = MTPDepth(a, a.plan.remat(DecoderLayer, False), stacks[-1][2], a.layers + k - 1,
+                                                   name=stacks_lib.mtp(k))(
+                    hidden_BxLxD, embed(mtp_tokens_MxBxL[k - 1]), positions_BxL, segment_ids_BxL)
+                normed.append(out_BxLxD)
+            depths_MxBxLxD = jnp.stack(normed)
+
         x_BxLxD = RMSNorm(a, name="final_norm")(x_BxLxD)
         if a.tied_embeddings:
             out_DxV = embedding_VxD.T
         else:
             out_DxV = dense_weight(self, "output", (a.embed, a.padded_vocab), ("embed", "vocab"), stored_dtype=True)
         if return_hidden:  # the output matrix padded: see mask_padding
-            result = x_BxLxD, out_DxV
+            result = (x_BxLxD, out_DxV) + (() if mtp_tokens_MxBxL is None or depths_MxBxLxD is None
+                                           else (depths_MxBxLxD,))
         else:
             logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32, a.final_softcap)[..., :a.vocab]
             result = constrain(logits_BxLxV, ("batch", "length", "vocab"))

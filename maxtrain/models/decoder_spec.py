@@ -35,11 +35,20 @@ def _layer_counts(m: Keys) -> tuple[int, int]:
     return dense, m["base_num_decoder_layers"] - dense
 
 
+def _mla_params(m: Keys) -> int:
+    """Multi-head latent attention's projections and latent norms (maxtrain.models.mla)."""
+    d, h, q, c = m["base_emb_dim"], m["base_num_query_heads"], m["q_lora_rank"], m["kv_lora_rank"]
+    k, r, j = m["qk_nope_head_dim"] + m["qk_rope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+    queries = d * q + q + q * h * k if q else d * h * k
+    return queries + d * (c + r) + c + c * h * (m["qk_nope_head_dim"] + j) + h * j * d
+
+
 def count_params(m: Keys, active: bool = False) -> int:
-    """Parameters of the model, the padding of the vocabulary left out; `active`: those a token uses, i.e.
-    of the routed experts only its top-k (the FLOPs count these, as MaxText's), and no balancing bias."""
+    """Parameters of the model (multi-token prediction's depths included), the padding of the vocabulary
+    left out; `active`: those a token uses, i.e. of the routed experts only its top-k (the FLOPs count
+    these, as MaxText's), and no balancing bias."""
     d, h, kv, hd = m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"]
-    attention = d * hd * (2 * h + 2 * kv) + 2 * d
+    attention = (_mla_params(m) if m["attention_type"] == "mla" else d * hd * (2 * h + 2 * kv)) + 2 * d
     attention += hd * (h + 2 * kv) if m["qkv_bias"] else 0
     attention += 2 * hd if m["use_qk_norm"] else 0
     attention += d * (m["use_post_attn_norm"] + m["use_post_ffw_norm"])  # sandwich norms
@@ -56,7 +65,10 @@ def count_params(m: Keys, active: bool = False) -> int:
         moe += routed * mlp_bias(f) + (mlp_bias(m["shared_experts"] * f) if m["shared_experts"] else 0)
     embeddings = m["vocab_size"] * d * (1 if m["logits_via_embedding"] else 2)
     dense_mlp = 3 * d * m["base_mlp_dim"] + mlp_bias(m["base_mlp_dim"])
-    return dense_layers * (attention + dense_mlp) + moe_layers * (attention + moe) + embeddings + d
+    # each depth: its two input norms, the [2D, D] projection, a layer like the last, its output norm
+    depth = 3 * d + 2 * d * d + attention + (moe if moe_layers else dense_mlp)
+    return (dense_layers * (attention + dense_mlp) + moe_layers * (attention + moe) + embeddings + d
+            + m["mtp_num_layers"] * depth)
 
 
 def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = True) -> float:
@@ -66,6 +78,10 @@ def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = Tr
     d, h, kv, hd = m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"]
     f = m["base_mlp_dim"]
     projections = 2 * d * hd * (h + 2 * kv) + 2 * d * hd * h
+    score_width, value_width = hd, hd  # a head's query/key width and its value width
+    if m["attention_type"] == "mla":
+        projections = 2 * (_mla_params(m) - m["q_lora_rank"] - m["kv_lora_rank"])  # the norms do no matmul
+        score_width, value_width = m["qk_nope_head_dim"] + m["qk_rope_head_dim"], m["v_head_dim"]
     layers = m["base_num_decoder_layers"]
     window, every = m["sliding_window_size"], m["global_layer_interval"]
     sliding = 0 if not window else layers - (layers // every if every else 0)
@@ -73,12 +89,16 @@ def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = Tr
     seen_global = length * (0.5 if causal else 1.0)
     seen_sliding = seen_global if not window or length <= window else (
         window * (length - window / 2) / length if causal else min(length, 2 * window - 1))
-    attention = 4 * h * hd * ((layers - sliding) * seen_global + sliding * seen_sliding) / layers
+    attention = (2 * h * (score_width + value_width) * ((layers - sliding) * seen_global + sliding * seen_sliding)
+                 / layers)
     dense, moe = _layer_counts(m)
     routed = m["num_experts_per_tok"] if active else m["num_experts"]
     experts = 2 * 3 * d * moe_width(m) * (routed + m["shared_experts"]) + 2 * d * m["num_experts"]
+    # multi-token prediction: each depth's projection, its layer (global attention) and its logits
+    depth = (2 * 2 * d * d + projections + 2 * h * (score_width + value_width) * seen_global
+             + (experts if moe else 2 * 3 * d * f) + 2 * d * m["vocab_size"])
     return (dense * (projections + attention + 2 * 3 * d * f) + moe * (projections + attention + experts)
-            + 2 * d * m["vocab_size"])
+            + 2 * d * m["vocab_size"] + m["mtp_num_layers"] * depth)
 
 
 def quantization_paths(c) -> dict[str, str]:

@@ -147,7 +147,6 @@ HF = HFMapping(
     },
     keys=_keys,
     config=_config,
-    mlp_tensors=hf.swiglu_tensors,
     sliding_window=_sliding_window,
     windowed=True,
     checks=_checks,

@@ -21,21 +21,23 @@ both, export writes the per-expert one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from maxtrain.config.keys import padded_vocab
-from maxtrain.checkpoint.hf_format import Tensor
+from maxtrain.checkpoint.hf_format import Tensor, layer_name
 from maxtrain.runtime.errors import ConvertError
-from maxtrain.models import registry
+from maxtrain.models import registry, stacks as stacks_lib
 from maxtrain.config.keys import moe_width
 from maxtrain.models.registry import Keys
 
 # Families HF has and maxtrain does not: why not.
 UNSUPPORTED = {"qwen2_moe": "its shared expert has a sigmoid gate, which maxtrain lacks"}
-FUSED_EXPERTS_NAME = "model.layers.0.mlp.experts.gate_up_proj"  # present only in the fused layout
+FUSED_EXPERTS_NAME = ".mlp.experts.gate_up_proj"  # the end of a name only the fused layout has (gpt-oss aside)
 
 # What transformers (5.x) assumes for each key a config.json leaves out, shared by the families' tables
 # (each family's HFType.defaults: the defaults of its <Family>Config; rope_theta: the class's
@@ -135,13 +137,14 @@ def rope_keys(rope: dict[str, Any], theta: float) -> dict[str, Any]:
         raise ConvertError(f"config.json: {rope_type} rope parameters need original_max_position_embeddings: {rope}")
     keys["rope_original_max_position_embeddings"] = original
     if rope_type == "yarn":
-        for key in ("attention_factor", "mscale", "mscale_all_dim"):
-            if rope.get(key) is not None:
-                raise ConvertError(f"config.json: yarn {key}={rope[key]!r} is not supported (cos and sin scale by "
-                                   f"0.1 ln(factor) + 1)")
+        if rope.get("attention_factor") is not None:
+            raise ConvertError(f"config.json: yarn attention_factor={rope['attention_factor']!r} is not supported (cos "
+                               f"and sin scale by 0.1 ln(factor) + 1, or as mscale and mscale_all_dim say)")
         return keys | {"rope_yarn_beta_fast": number(rope, "beta_fast", 32.0) or 32.0,
                        "rope_yarn_beta_slow": number(rope, "beta_slow", 1.0) or 1.0,
-                       "rope_yarn_truncate": bool(rope.get("truncate", True))}
+                       "rope_yarn_truncate": bool(rope.get("truncate", True)),
+                       "rope_yarn_mscale": number(rope, "mscale", 0.0),
+                       "rope_yarn_mscale_all_dim": number(rope, "mscale_all_dim", 0.0)}
     names = {"rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor": "high_freq_factor"}
     scaling = {ours: number(rope, theirs, math.nan) for ours, theirs in names.items()}
     if any(math.isnan(v) for v in scaling.values()):
@@ -253,6 +256,7 @@ def rope_parameters(m: Keys, theta: float | None = None) -> dict[str, Any]:
     if m["rope_type"] == "yarn":
         rope |= {"beta_fast": m["rope_yarn_beta_fast"], "beta_slow": m["rope_yarn_beta_slow"],
                  "truncate": m["rope_yarn_truncate"]}
+        rope |= {name: m[f"rope_yarn_{name}"] for name in ("mscale", "mscale_all_dim") if m[f"rope_yarn_{name}"]}
     if m["rope_type"] != "linear":
         rope["original_max_position_embeddings"] = m["rope_original_max_position_embeddings"]
     return rope
@@ -262,12 +266,83 @@ def rope_parameters(m: Keys, theta: float | None = None) -> dict[str, Any]:
 # Tensors
 
 
-def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False) -> tuple[list[Tensor], list[Tensor]]:
-    """(whole-model tensors, per-layer tensors) for maxtrain model keys `m`; an MoE model's experts in
-    the per-expert file layout, or with `fused_experts` in transformers' fused layout (import only).
-    `joined` (export): without the parameters that another's tensor carries (Tensor.joins)."""
-    d, h, n, k, v = (m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"],
-                     m["vocab_size"])
+@dataclass(frozen=True)
+class LayerTensors:
+    """The HF tensors of some layers that share one table: a stack's layers, or one multi-token prediction
+    depth (`single`: a module named `name` whose `layer` submodule is HF layer indices[0])."""
+    name: str             # the scanned stack's name (unrolled: layers_<i>), or the depth's module name
+    indices: list[int]    # HF layer indices (model.layers.<i>.)
+    tensors: list[Tensor]
+    single: bool = False
+
+    def params_path(self, t: Tensor, scanned: bool, i: int | None = None) -> tuple[str, ...]:
+        """Where `t` of layer `i` lives in maxtrain's tree (scanned: the stack's, with a leading layers axis)."""
+        if self.single or scanned:
+            return (self.name, *t.path)
+        return (stacks_lib.unrolled(i), *t.path)
+
+
+def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False,
+                 hf: dict[str, Any] | None = None) -> tuple[list[Tensor], list[LayerTensors]]:
+    """(whole-model tensors, each stack's and each multi-token prediction depth's layer tensors) for
+    maxtrain model keys `m`; an MoE model's experts in the per-expert file layout, or with `fused_experts`
+    in transformers' fused layout (import only). `joined` (export): without the parameters that another's
+    tensor carries (Tensor.joins). `hf`: the config.json imported from (None: export's layout)."""
+    d, v = m["base_emb_dim"], m["vocab_size"]
+    same = lambda x: x  # noqa: E731
+    spec = registry.spec_for(m)
+    common = (spec.hf.attention_tensors or gqa_tensors)(m, hf)
+    common.append(Tensor(("attention_norm", "scale"), "input_layernorm.weight", (d,), same, same))
+    if m["use_post_attn_norm"]:  # Gemma's sandwich: post_attention_layernorm normalizes the attention's output
+        common += [Tensor(("post_attention_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same),
+                   Tensor(("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", (d,), same, same)]
+    else:
+        common.append(Tensor(("mlp_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same))
+    if m["use_post_ffw_norm"]:
+        common.append(Tensor(("post_mlp_norm", "scale"), "post_feedforward_layernorm.weight", (d,), same, same))
+
+    def layer(moe: bool) -> list[Tensor]:  # a dense layer's MLP is the plain gated one, whatever the family
+        mlp = spec.hf.mlp_tensors(m, fused_experts) if moe else swiglu_tensors(m, fused_experts)
+        return [t for t in common + mlp if t.to_hf] if joined else common + mlp
+
+    stacks = spec.stacks(m)
+    groups = [LayerTensors(s.name, list(s.layers), layer(s.moe)) for s in stacks]
+    for k in range(1, m["mtp_num_layers"] + 1):  # only a family whose HF layout has the depths gets here
+        inner = [dataclasses.replace(t, path=("layer", *t.path)) for t in layer(stacks[-1].moe)]
+        groups.append(LayerTensors(stacks_lib.mtp(k), [m["base_num_decoder_layers"] + k - 1],
+                                   inner + spec.hf.mtp_tensors(m), single=True))
+    rows, cut = _vocab_padding(v)
+    whole = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), rows, cut),
+             Tensor(("final_norm", "scale"), "model.norm.weight", (d,), same, same)]
+    if not m["logits_via_embedding"]:
+        whole.append(Tensor(("output",), "lm_head.weight", (v, d), lambda x: rows(x).T, lambda w: cut(w.T)))
+    return whole, groups
+
+
+def mtp_depths(hf: dict[str, Any], m: Keys, names) -> int:
+    """How many multi-token prediction depths an HF checkpoint holds (tensor `names`, model keys `m`): those
+    its config.json counts whose own tensors are all there (transformers' save_pretrained writes none)."""
+    spec = registry.by_hf_type(hf.get("model_type"))
+    if spec is None or spec.hf.mtp_tensors is None:
+        return 0
+    said, own, depths = hf.get(spec.hf.mtp_key) or 0, spec.hf.mtp_tensors(m), 0
+    while depths < said and all(layer_name(m["base_num_decoder_layers"] + depths, t) in names for t in own):
+        depths += 1
+    return depths
+
+
+def mtp_copies(m: Keys) -> dict[str, str]:
+    """{HF name in a depth: the whole-model tensor it copies} for each of `m`'s depths."""
+    spec, layers = registry.spec_for(m), m["base_num_decoder_layers"]
+    if not spec.hf or not m["mtp_num_layers"]:
+        return {}
+    return {f"model.layers.{layers + k}.{name}": whole for k in range(m["mtp_num_layers"])
+            for name, whole in spec.hf.mtp_copies.items()}
+
+
+def gqa_tensors(m: Keys, hf: dict[str, Any] | None = None) -> list[Tensor]:
+    """Grouped-query attention's projections, and its q/k norms, biases and sinks where the model has them."""
+    d, h, n, k = m["base_emb_dim"], m["base_num_query_heads"], m["base_num_kv_heads"], m["head_dim"]
     same = lambda x: x  # noqa: E731
 
     def heads_out(count):  # [count*K, D] <-> [D, count, K]
@@ -276,39 +351,25 @@ def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False) -> 
     def bias(count):  # [count*K] <-> [count, K]
         return (lambda x: x.reshape(count, k)), (lambda w: w.reshape(count * k))
 
-    layer = [
+    tensors = [
         Tensor(("attention", "wq"), "self_attn.q_proj.weight", (h * k, d), *heads_out(h)),
         Tensor(("attention", "wk"), "self_attn.k_proj.weight", (n * k, d), *heads_out(n)),
         Tensor(("attention", "wv"), "self_attn.v_proj.weight", (n * k, d), *heads_out(n)),
         Tensor(("attention", "wo"), "self_attn.o_proj.weight", (d, h * k),
                lambda x: x.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T),
-        Tensor(("attention_norm", "scale"), "input_layernorm.weight", (d,), same, same),
     ]
-    if m["use_post_attn_norm"]:  # Gemma's sandwich: post_attention_layernorm normalizes the attention's output
-        layer += [Tensor(("post_attention_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same),
-                  Tensor(("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", (d,), same, same)]
-    else:
-        layer.append(Tensor(("mlp_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same))
-    if m["use_post_ffw_norm"]:
-        layer.append(Tensor(("post_mlp_norm", "scale"), "post_feedforward_layernorm.weight", (d,), same, same))
-    layer += registry.spec_for(m).hf.mlp_tensors(m, fused_experts)
     if m["use_qk_norm"]:  # Qwen3: RMSNorm over each head's q and k
-        layer += [Tensor(("attention", "q_norm", "scale"), "self_attn.q_norm.weight", (k,), same, same),
-                  Tensor(("attention", "k_norm", "scale"), "self_attn.k_norm.weight", (k,), same, same)]
+        tensors += [Tensor(("attention", "q_norm", "scale"), "self_attn.q_norm.weight", (k,), same, same),
+                    Tensor(("attention", "k_norm", "scale"), "self_attn.k_norm.weight", (k,), same, same)]
     if m["qkv_bias"]:
-        layer += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
-                  Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
-                  Tensor(("attention", "bv"), "self_attn.v_proj.bias", (n * k,), *bias(n))]
+        tensors += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
+                    Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
+                    Tensor(("attention", "bv"), "self_attn.v_proj.bias", (n * k,), *bias(n))]
     if m["attention_out_bias"]:  # gpt-oss
-        layer.append(Tensor(("attention", "bo"), "self_attn.o_proj.bias", (d,), same, same))
+        tensors.append(Tensor(("attention", "bo"), "self_attn.o_proj.bias", (d,), same, same))
     if m["attention_sinks"]:  # gpt-oss
-        layer.append(Tensor(("attention", "sinks"), "self_attn.sinks", (h,), same, same))
-    rows, cut = _vocab_padding(v)
-    whole = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), rows, cut),
-             Tensor(("final_norm", "scale"), "model.norm.weight", (d,), same, same)]
-    if not m["logits_via_embedding"]:
-        whole.append(Tensor(("output",), "lm_head.weight", (v, d), lambda x: rows(x).T, lambda w: cut(w.T)))
-    return whole, [t for t in layer if t.to_hf] if joined else layer
+        tensors.append(Tensor(("attention", "sinks"), "self_attn.sinks", (h,), same, same))
+    return tensors
 
 
 def _vocab_padding(v: int):

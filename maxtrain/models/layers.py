@@ -37,6 +37,7 @@ def bias(module: nn.Module, name: str, shape, axes):
 class RMSNorm(nn.Module):
     args: ModelArgs
     dim: int | None = None  # default: the model width
+    eps: float | None = None  # default: the model's normalization_layer_epsilon
 
     @nn.compact
     def __call__(self, x_BxLxD):
@@ -45,7 +46,7 @@ class RMSNorm(nn.Module):
         scale_D = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (self.dim or a.embed,),
                              a.weight_dtype).astype(jnp.float32)
         x = x_BxLxD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + a.norm_eps)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + (a.norm_eps if self.eps is None else self.eps))
         return (x * (1.0 + scale_D if a.norm_plus_one else scale_D)).astype(a.dtype)
 
 

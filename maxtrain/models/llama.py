@@ -45,7 +45,6 @@ HF = HFMapping(
     },
     keys=lambda config, kind: {"qkv_bias": kind == "qwen2", "use_qk_norm": False, "num_experts": 1},
     config=lambda m, kind, config: {},
-    mlp_tensors=hf.swiglu_tensors,
     sliding_window=_sliding_window,
     windowed=True,  # Mistral's, on every layer
     expresses=("sliding_window_size",),

@@ -91,6 +91,9 @@ class MoEBlock(nn.Module):
             scores_BxLxE = jax.nn.sigmoid(logits_BxLxE)
             probs_BxLxE = scores_BxLxE / jnp.sum(scores_BxLxE, axis=-1, keepdims=True)
         choose_BxLxE = scores_BxLxE if bias_E is None else scores_BxLxE + jax.lax.stop_gradient(bias_E)
+        if a.routing_groups:  # DeepSeek's group-limited routing: experts only from the token's best groups
+            choose_BxLxE = limit_to_groups(choose_BxLxE, a.routing_groups, a.routing_top_groups,
+                                           a.routed_score_func == "sigmoid")
         _, experts_BxLxK = jax.lax.top_k(choose_BxLxE, k)
         weights_BxLxK = jnp.take_along_axis(scores_BxLxE, experts_BxLxK, axis=-1)
         if a.norm_topk_prob:
@@ -115,6 +118,21 @@ class MoEBlock(nn.Module):
         return weights_BxLxK, experts_BxLxK
 
 
+def limit_to_groups(choose_BxLxE, groups: int, top_groups: int, best_two: bool):
+    """The choice scores with every expert outside the token's `top_groups` best of `groups` equal groups
+    at -inf. A group's score: its best two experts' sum (DeepSeek-V3, sigmoid scores) or its best one's
+    (DeepSeek-V2, softmax scores), as HF's routers."""
+    *lead, e = choose_BxLxE.shape
+    grouped_BxLxGxP = choose_BxLxE.reshape(*lead, groups, e // groups)
+    if best_two and e // groups > 1:
+        group_score_BxLxG = jnp.sum(jax.lax.top_k(grouped_BxLxGxP, 2)[0], axis=-1)
+    else:
+        group_score_BxLxG = jnp.max(grouped_BxLxGxP, axis=-1)
+    _, best_BxLxT = jax.lax.top_k(group_score_BxLxG, top_groups)
+    keep_BxLxG = jnp.sum(jax.nn.one_hot(best_BxLxT, groups, dtype=jnp.int32), axis=-2) > 0
+    return jnp.where(keep_BxLxG[..., None], grouped_BxLxGxP, -jnp.inf).reshape(choose_BxLxE.shape)
+
+
 def capacity(a, length: int) -> int:
     """Assignments each expert takes from one sequence: capacity_factor x its fair share, rounded up."""
     return math.ceil(a.capacity_factor * length * a.experts_per_token / a.num_experts)
@@ -137,9 +155,12 @@ def collect(intermediates, name: str):
     """The recorded `name` of every MoE layer, in layer order, stacked: [moe layers, ...]; None if none."""
     found = []
     for path, value in traverse_util.flatten_dict(intermediates).items():
-        if path[-1] == name:  # scanned stacks carry a leading layers axis; unrolled layers are one each
-            index = stacks_lib.unrolled_index(path[0])
-            found.append((-1, value[0]) if index is None else (index, value[0][None]))
+        if path[-1] == name:  # scanned stacks carry a leading layers axis; unrolled layers and MTP depths one each
+            index, depth = stacks_lib.unrolled_index(path[0]), stacks_lib.mtp_depth(path[0])
+            if depth is not None:  # after every layer of the model
+                found.append((2**31 + depth, value[0][None]))
+            else:
+                found.append((-1, value[0]) if index is None else (index, value[0][None]))
     return jnp.concatenate([v for _, v in sorted(found, key=lambda item: item[0])]) if found else None
 
 

@@ -25,7 +25,6 @@ HF = HFMapping(
         fresh={"attention_bias": False, "use_sliding_window": False, "sliding_window": None})},
     keys=lambda config, kind: {"qkv_bias": False, "use_qk_norm": True, "num_experts": 1},
     config=lambda m, kind, config: {},
-    mlp_tensors=hf.swiglu_tensors,
     sliding_window=hf.layered_sliding_window,  # as Qwen2's: only where a layer uses it
 )
 

@@ -44,8 +44,17 @@ class HFMapping:
     keys: Callable[[dict, str], dict[str, Any]]
     # config.json keys for model keys `m` exported as `kind`, beyond the shared ones; `hf` as written so far
     config: Callable[[Keys, str, dict], dict[str, Any]]
-    # per-layer tensors of the MLP: (m, fused_experts) -> [hf_format.Tensor]
-    mlp_tensors: Callable[[Keys, bool], list]
+    # an MoE layer's MLP tensors: (m, fused_experts) -> [hf_format.Tensor] (a dense layer's: hf.swiglu_tensors)
+    mlp_tensors: Callable[[Keys, bool], list] | None = None
+    # a layer's attention tensors: (m, the config.json imported from or None) -> [Tensor]; default hf.gqa_tensors
+    attention_tensors: Callable[[Keys, dict | None], list] | None = None
+    # a multi-token prediction depth's own tensors, beside its layer's (m -> [Tensor]), where the HF layout has
+    # depths (as layers after the model's), and the config.json key that counts them
+    mtp_tensors: Callable[[Keys], list] | None = None
+    mtp_key: str = ""
+    # HF tensors of each depth that copy a whole-model one ({name in the depth: the whole-model tensor's}):
+    # import skips them, export writes the copies
+    mtp_copies: dict[str, str] = field(default_factory=dict)
     # the window of any layer that slides, as transformers reads config.json `hf`; None: none slides
     sliding_window: Callable[[dict], int | None] = lambda hf: hf.get("sliding_window")
     windowed: bool = False  # maxtrain expresses that window (sliding_window_size): else import refuses it

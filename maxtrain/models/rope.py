@@ -3,7 +3,7 @@
 Half-split layout, as HF's Llama (and every family here): a head's dimensions rotate in (x[:K/2], x[K/2:])
 pairs. Scaling stretches long wavelengths for long contexts: llama3 (Llama 3.1: a blend between kept and
 slowed wavelengths), linear (every frequency divided by the factor: Gemma 3's global layers), yarn (gpt-oss,
-DeepSeek-V3: NTK-by-parts, and cos/sin scaled by 0.1 ln(factor) + 1).
+DeepSeek: NTK-by-parts, and cos/sin scaled by 0.1 ln(factor) + 1, or as HF's mscale keys say).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class Rope:
     beta_fast: float = 32.0         # yarn
     beta_slow: float = 1.0          # yarn
     truncate: bool = True           # yarn: the correction range rounded outwards to whole dimensions
+    mscale: float = 0.0             # yarn: HF's mscale and mscale_all_dim (0 = not set; see magnitude)
+    mscale_all_dim: float = 0.0
 
     @classmethod
     def from_config(cls, c, theta: float | None = None) -> "Rope":
@@ -36,7 +38,8 @@ class Rope:
         return cls(theta=c.rope_theta, kind=c.rope_type, factor=c.rope_scaling_factor,
                    low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
                    original_length=c.rope_original_max_position_embeddings, beta_fast=c.rope_yarn_beta_fast,
-                   beta_slow=c.rope_yarn_beta_slow, truncate=c.rope_yarn_truncate)
+                   beta_slow=c.rope_yarn_beta_slow, truncate=c.rope_yarn_truncate, mscale=c.rope_yarn_mscale,
+                   mscale_all_dim=c.rope_yarn_mscale_all_dim)
 
     def frequencies(self, half: int):
         """[half] float32 angular frequencies."""
@@ -65,12 +68,19 @@ class Rope:
         interpolated_K2 = jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
         return freq_K2 / self.factor * interpolated_K2 + freq_K2 * (1 - interpolated_K2)
 
+    def yarn_scale(self, mscale: float = 1.0) -> float:
+        """yarn's m(s) = 0.1 s ln(factor) + 1 (1 without yarn scaling)."""
+        if self.kind != "yarn" or self.factor <= 1:
+            return 1.0
+        return 0.1 * mscale * math.log(self.factor) + 1.0
+
     @property
     def magnitude(self) -> float:
-        """What cos and sin are multiplied by (yarn's attention temperature; 1 elsewhere)."""
-        if self.kind == "yarn" and self.factor > 1:
-            return 0.1 * math.log(self.factor) + 1.0
-        return 1.0
+        """What cos and sin are multiplied by: yarn's attention temperature, m(1), or with both of HF's
+        mscale and mscale_all_dim m(mscale) / m(mscale_all_dim) (DeepSeek's: 1); 1 elsewhere."""
+        if self.mscale and self.mscale_all_dim:
+            return self.yarn_scale(self.mscale) / self.yarn_scale(self.mscale_all_dim)
+        return self.yarn_scale()
 
 
 def rope(x_BxLxHxK, positions_BxL, r: Rope):

@@ -3,7 +3,8 @@
 A dense model's layers are one stack, `layers`; a mixture of experts has its leading dense layers
 (`dense_layers`, if any) and then its `moe_layers`. Scanned, each stack is one parameter subtree with a
 leading layers axis; unrolled, layer i (counted over the whole model) is `layers_<i>`. The model, the
-MoE statistics, quantization's module paths and conversion all take the names from here.
+MoE statistics, quantization's module paths and conversion all take the names from here, and those of
+multi-token prediction's depths (`mtp_<k>`, k from 1), which hold one layer each after the stacks.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 DENSE, DENSE_FIRST, MOE = "layers", "dense_layers", "moe_layers"
 _UNROLLED = "layers_"
+_MTP = "mtp_"  # multi-token prediction's depths (maxtrain.models.mtp): one layer each, after every stack
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,14 @@ def unrolled_index(name: str) -> int | None:
     tail = name.removeprefix(_UNROLLED)
     return int(tail) if tail != name and tail.isdigit() else None
 
+
+
+def mtp(k: int) -> str:
+    """Multi-token prediction depth k's name (k from 1)."""
+    return f"{_MTP}{k}"
+
+
+def mtp_depth(name: str) -> int | None:
+    """k for `mtp_<k>`; None for anything else."""
+    tail = name.removeprefix(_MTP)
+    return int(tail) if tail != name and tail.isdigit() else None

@@ -118,6 +118,7 @@ def format_line(step: int, total: int, m: dict[str, float], eta_seconds: float |
     return (f"{step_of(step, total)} | loss {m['loss']:.4f} | lr {m['learning_rate']:.3e} | "
             f"grad_norm {m['grad_norm']:.3f} | {m['step_seconds']:.3f} s/step | "
             f"{m['tokens_per_second']:,.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev{mfu}" + moe_summary(m)
+            + (f" | mtp_loss {m['mtp_loss']:.4f}" if "mtp_loss" in m else "")
             + (f" | ETA {progress.duration(eta_seconds)}" if eta_seconds is not None else "")
             + (" | non-finite: update skipped" if m.get("nonfinite") else ""))
 

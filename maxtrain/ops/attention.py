@@ -1,5 +1,6 @@
 """Attention kernels behind `attention=`: all take q [B,L,H,K], k/v [B,L,N,K] (GQA: N divides H) and
-segment ids [B,L], apply causal + same-document masking, and return [B,L,H,K].
+segment ids [B,L], apply causal + same-document masking, and return [B,L,H,K]. Without a window the
+values' width may differ from the queries' and keys' (MLA: [B,L,N,J] values give [B,L,H,J]).
 
 - dot_product: plain XLA einsums, softmax in float32; materializes the [B,H,L,L] scores.
 - blockwise: the same einsums a block of BLOCK queries at a time, each block against only the keys up
@@ -215,8 +216,8 @@ def attend_blocks(q_BxLxHxK, k_BxMxNxK, v_BxMxNxK, blocks, variant: Variant = PL
     ctx = [_attend(q_BxNxGxLxK[:, :, :, start:stop], k_BxNxMxK[:, :, key_start:key_start + mask.shape[-1]],
                    v_BxNxMxK[:, :, key_start:key_start + mask.shape[-1]], mask, sinks_NxG, scale, variant.softcap)
            for start, stop, key_start, mask in blocks]
-    ctx_BxNxGxLxK = jnp.concatenate(ctx, axis=3)
-    return ctx_BxNxGxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
+    ctx_BxNxGxLxJ = jnp.concatenate(ctx, axis=3)
+    return ctx_BxNxGxLxJ.transpose(0, 3, 1, 2, 4).reshape(b, length, h, v_BxMxNxK.shape[-1])
 
 
 def against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS, variant: Variant = PLAIN, sinks_H=None):
@@ -242,12 +243,34 @@ def against_cache(q_BxLxHxK, keys_RxSxK, values_RxSxK, mask_BxLxS, variant: Vari
     return out_RxQxK.reshape(b, n, h // n, length, k).transpose(0, 3, 1, 2, 4).reshape(b, length, h, k)
 
 
+def against_latent_cache(q_latent_BxLxHxC, q_rope_BxLxHxR, latents_BxSxC, rope_keys_BxSxR, mask_BxLxS, scale: float):
+    """Multi-head latent attention against its KV cache (maxtrain.models.mla): each head's score of slot
+    s is its latent query against the slot's latent plus its rotary query against the slot's rotary key,
+    and its output the probabilities' sum over the slots' latents [B,L,H,C]: one latent row per sequence
+    serves every head. float32 scores and softmax, plain dot_generals, as against_cache."""
+    b, length, h, c = q_latent_BxLxHxC.shape
+    contract = (((2,), (2,)), ((0,), (0,)))  # bqc,bsc->bqs over Q = L x H
+    rows = lambda x: x.reshape(b, length * h, x.shape[-1])  # noqa: E731
+    scores_BxQxS = (jax.lax.dot_general(rows(q_latent_BxLxHxC), latents_BxSxC, contract,
+                                        preferred_element_type=jnp.float32)
+                    + jax.lax.dot_general(rows(q_rope_BxLxHxR), rope_keys_BxSxR, contract,
+                                          preferred_element_type=jnp.float32)) * scale
+    scores_BxLxHxS = jnp.where(mask_BxLxS[:, :, None], scores_BxQxS.reshape(b, length, h, -1), -1e30)
+    probs_BxQxS = jax.nn.softmax(scores_BxLxHxS, axis=-1).astype(latents_BxSxC.dtype).reshape(b, length * h, -1)
+    out_BxQxC = jax.lax.dot_general(probs_BxQxS, latents_BxSxC, (((2,), (1,)), ((0,), (0,))))  # bqs,bsc->bqc
+    return out_BxQxC.reshape(b, length, h, c)
+
+
 def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Variant = PLAIN, sinks_H=None):
     """jax.nn.dot_product_attention; soft caps and sinks, which it lacks, go the dot_product way."""
     if variant.softcap or sinks_H is not None:
         return dot_product(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant, sinks_H)
-    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, scale=variant.scale,
-                                        mask=causal_document_mask(segment_ids_BxL, window=variant.window))
+    k, j = q_BxLxHxK.shape[-1], v_BxLxNxK.shape[-1]
+    if j < k:  # it takes values as wide as the keys: MLA's narrower ones padded with zeros, the padding cut
+        v_BxLxNxK = jnp.pad(v_BxLxNxK, [(0, 0)] * 3 + [(0, k - j)])
+    out = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, scale=variant.scale_for(k),
+                                       mask=causal_document_mask(segment_ids_BxL, window=variant.window))
+    return out[..., :j]
 
 
 def splash_kernel(places, residual_name, heads: int, q_shards: int = 1, interpret: bool = False,

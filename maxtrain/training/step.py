@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxtrain.ops import attention
 from maxtrain.training import loss
 from maxtrain.parallel import mesh as mesh_lib
-from maxtrain.models import moe, quantization
+from maxtrain.models import moe, mtp, quantization
 from maxtrain.config.load import Config
 from maxtrain.data.pipeline import BATCH_DTYPES
 from maxtrain.models.decoder import Decoder
@@ -39,24 +39,39 @@ class TrainState:
 
 
 def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0, loss_chunk_size: int = 0,
-            moe_weights: tuple[float, float] = (0.0, 0.0), scale: float | jax.Array = 1.0):
+            moe_weights: tuple[float, float] = (0.0, 0.0), scale: float | jax.Array = 1.0,
+            mtp_factor: float | None = None):
     """Summed masked cross-entropy (+ optional z-loss, + an MoE's auxiliary losses with `moe_weights`:
-    load balance, router z) times `scale`, and the number of target tokens.
+    load balance, router z) times `scale`, and the number of target tokens. With `mtp_factor` (and the
+    model's multi-token prediction depths, their arrays in the batch: mtp.shifted) the depths' summed
+    cross-entropy, averaged over the depths, times mtp_factor, joins it; None: the depths do not run (eval).
 
     Sums, not means, so micro-batches add up to exactly the large-batch loss. The train step passes
     1 / (the whole batch's tokens) as `scale`, so its gradients come out as means: divided afterwards,
     XLA wrote them out once more before the update (gigabytes per chip at Mixtral's size). The
     metrics in aux stay sums, times the tokens for an MoE's statistics.
     """
+    a = model.args
     inputs = (batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
     weights_BxL = batch["weights"].astype(jnp.float32)
-    (x_BxLxD, out_DxV), recorded = model.apply({"params": params}, *inputs, return_hidden=True,
-                                               mutable=["intermediates"])
-    total, ce_sum = loss.cross_entropy_loss(x_BxLxD, out_DxV, batch["targets"], weights_BxL,
-                                            loss_chunk_size or x_BxLxD.shape[1], model.args.logits_dot_in_fp32,
-                                            z_loss_multiplier, model.args.vocab, model.args.final_softcap)
+    depths = a.mtp_layers if mtp_factor is not None else 0
+    outputs, recorded = model.apply({"params": params}, *inputs, return_hidden=True,
+                                    mtp_tokens_MxBxL=mtp.depth_tokens(batch, depths), mutable=["intermediates"])
+    x_BxLxD, out_DxV = outputs[:2]
+    chunk = loss_chunk_size or x_BxLxD.shape[1]
+    total, ce_sum = loss.cross_entropy_loss(x_BxLxD, out_DxV, batch["targets"], weights_BxL, chunk,
+                                            a.logits_dot_in_fp32, z_loss_multiplier, a.vocab, a.final_softcap)
     tokens = jnp.sum(weights_BxL)
     aux = {"loss_sum": ce_sum, "tokens": tokens}
+    if depths:  # multi-token prediction: each depth's targets lie k further ahead
+        mtp_sum, mtp_tokens = jnp.zeros(()), jnp.zeros(())
+        for k, h_BxLxD in enumerate(outputs[2], 1):
+            weights_k = batch[f"mtp_weights_{k}"].astype(jnp.float32)
+            depth_total, depth_sum = loss.cross_entropy_loss(h_BxLxD, out_DxV, batch[f"mtp_targets_{k}"], weights_k,
+                                                             chunk, a.logits_dot_in_fp32, 0.0, a.vocab, a.final_softcap)
+            total = total + mtp_factor / depths * depth_total
+            mtp_sum, mtp_tokens = mtp_sum + depth_sum, mtp_tokens + jnp.sum(weights_k)
+        aux |= {"mtp_loss_sum": mtp_sum, "mtp_tokens": mtp_tokens}
     if model.args.num_experts > 1:
         layers = recorded["intermediates"]
         lb, z = jnp.mean(moe.collect(layers, "lb_loss")), jnp.mean(moe.collect(layers, "z_loss"))
@@ -194,7 +209,8 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
     schedule = learning_rate_schedule(c)
     grad_fn = functools.partial(jax.value_and_grad(loss_fn, has_aux=True), model=model, z_loss_multiplier=c.z_loss_multiplier,
                                 loss_chunk_size=c.loss_chunk_size,
-                                moe_weights=(c.load_balance_loss_weight, c.router_z_loss_weight))
+                                moe_weights=(c.load_balance_loss_weight, c.router_z_loss_weight),
+                                mtp_factor=c.mtp_loss_scaling_factor)
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, *batch_sharding.spec))
     pipelined = model.args.plan.schedule
     if pipelined.repeats > 1:  # the MoE stack's records come in the circular schedule's order: metrics by layer
@@ -214,7 +230,7 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
     balance = load_balancer(c)
 
     def step(state: TrainState, batch: dict):
-        batch = balance(batch)
+        batch = balance(mtp.shifted(batch, c.mtp_num_layers))  # the depths' targets, shifted in sequence order
         tokens = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
         if accum == 1:
             (_, aux), grads = grad_fn(state.params, batch=batch, scale=1.0 / tokens)
@@ -241,6 +257,8 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
         params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": aux["tokens"], "nonfinite": 1.0 - finite.astype(jnp.float32)}
+        if "mtp_loss_sum" in aux:  # the depths' mean cross-entropy over their targets
+            metrics["mtp_loss"] = aux["mtp_loss_sum"] / jnp.maximum(aux["mtp_tokens"], 1.0)
         if moe_layers is not None:  # per MoE layer, each expert's share of the routed assignments
             metrics |= {k: v / tokens for k, v in aux.items() if k.startswith("moe_")}
             metrics["expert_load"] = layer_order(moe.collect(moe_layers, "expert_load"))
