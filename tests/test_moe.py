@@ -222,8 +222,8 @@ def test_parameter_count_and_scan_equals_unrolled(tiny_config, overrides):
 
 
 def test_deepseek_preset_counts_like_its_model():
-    """Its total and active parameters, from the model's own shapes (no HF class has this attention)."""
-    c = config_lib.load([str(config_lib.BASE_YML), "model_name=deepseek-v3-gqa", "attention=dot_product",
+    """Its total and active parameters, from the model's own shapes (test_presets: against transformers')."""
+    c = config_lib.load([str(config_lib.BASE_YML), "model_name=deepseek-v3", "attention=dot_product",
                          "mlp_chunk_size=0"])
     args = ModelArgs.from_config(c)
     shapes = jax.eval_shape(lambda: nn.meta.unbox(Decoder(args).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))))

@@ -19,8 +19,10 @@ PUBLISHED = {
     "mistral-7b-v0.1": 7_241_732_096, "gemma3-1b": 999_885_952,  # Gemma 3 4B/12B/27B are multimodal checkpoints: their text decoders are checked above
     "gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672,
 }
-NO_HF_CLASS = {"deepseek-v3-gqa"}  # DeepSeek's MoE on Llama attention: counted in test_moe against our model
-PRESETS = sorted(p.stem for p in (config_lib.CONFIG_DIR / "models").glob("*.yml") if p.stem not in NO_HF_CLASS)
+# Released totals given only rounded (DeepSeek's model cards, its multi-token prediction depth left out):
+# billions, to the digits published.
+ROUNDED = {"deepseek-v3": (671, 37), "deepseek-v2-lite": (15.7, None)}
+PRESETS = sorted(p.stem for p in (config_lib.CONFIG_DIR / "models").glob("*.yml"))
 
 
 def test_every_published_model_has_a_preset():
@@ -29,7 +31,8 @@ def test_every_published_model_has_a_preset():
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_parameter_count_matches_transformers(name):
-    c = config_lib.load([str(config_lib.BASE_YML), f"model_name={name}"])
+    # transformers' models have no multi-token prediction depths (tests/test_registry.py counts them)
+    c = config_lib.load([str(config_lib.BASE_YML), f"model_name={name}", "mtp_num_layers=0"])
     hf = hf_format.hf_config_for(dict(c), "float32", None, None)
     imported = hf_format.model_keys_from_hf(hf)  # the preset survives an HF export and import
     assert imported == {k: c[k] for k in imported}
@@ -37,6 +40,13 @@ def test_preset_parameter_count_matches_transformers(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     count = sum(p.numel() for p in model.parameters())  # tied embeddings are counted once
+    count += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))  # DeepSeek-V3's
     assert c.num_params == count
     if name in PUBLISHED:
         assert count == PUBLISHED[name]
+    if name in ROUNDED:
+        total, active = ROUNDED[name]
+        digits = 0 if float(total).is_integer() else 1
+        assert round(c.num_params / 1e9, digits) == total
+        # "37B activated": 37.55B counting the embedding, 36.6B without it
+        assert active is None or abs(c.num_active_params / 1e9 - active) < 1
