@@ -63,6 +63,7 @@ MAXTEXT_ROW_KEYS = {
 SLICES_70B = ["model_name=llama3.1-70b", "compile_topology_num_slices=2", "ici_fsdp_parallelism=64",
               "per_device_batch_size=2", "max_target_length=4096"]
 PIPELINE_70B = SLICES_70B + ["dcn_pipeline_parallelism=2", "num_pipeline_microbatches=4"]
+DEEPSEEK = ["max_target_length=1024", "weight_dtype=bfloat16", "mu_dtype=bfloat16"]
 AOT = [
     ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
     ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
@@ -95,9 +96,17 @@ AOT = [
     ("gpt-oss-120b expert=8", ["model_name=gpt-oss-120b", "max_target_length=8192", "ici_expert_parallelism=8",
                                "ici_fsdp_parallelism=8"], 77.30),
     ("gpt-oss-120b fsdp=64", ["model_name=gpt-oss-120b", "max_target_length=8192"], 77.30),
+    # DeepSeek (#40), MaxText's guide's settings (per-device batch 4, 1024 tokens, bfloat16 weights and Adam
+    # moments): DeepSeek-V2-Lite on v5p-64 against MaxText's deepseek2-16b, and DeepSeek-V3 671B against its
+    # deepseek3-671b on the smallest slice where MaxText's compile fits. MaxText's figures: its train_compile here.
+    ("deepseek-v2-lite v5p-64", DEEPSEEK + ["model_name=deepseek-v2-lite", "compile_topology=v5p-64"], float("nan")),
+    ("deepseek-v3 v5p-1024", DEEPSEEK + ["model_name=deepseek-v3", "compile_topology=v5p-1024"], float("nan")),
 ]
 # MaxText places an 8 x 8 mesh on the 4x4x4 torus only when told it may split a torus dimension.
-MAXTEXT_AOT_EXTRA = {"gpt-oss-120b expert=8": ["ici_expert_parallelism=1", "ici_fsdp_parallelism=-1"],"mixtral-8x7b expert=8": ["allow_split_physical_axes=true"],
+MAXTEXT_AOT_EXTRA = {"gpt-oss-120b expert=8": ["ici_expert_parallelism=1", "ici_fsdp_parallelism=-1"],
+                     "mixtral-8x7b expert=8": ["allow_split_physical_axes=true"],
+                     "deepseek-v2-lite v5p-64": ["model_name=deepseek2-16b"],
+                     "deepseek-v3 v5p-1024": ["model_name=deepseek3-671b", "n_routing_groups=8", "topk_routing_group=4"],
                      "llama2-7b int8": ["use_qwix_quantization=true"],
                      "llama2-7b fp8_full": ["use_qwix_quantization=true"],
                      # MaxText's stage runs 1 layer per visit by default (circular); 40 is GPipe's

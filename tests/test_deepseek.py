@@ -202,12 +202,45 @@ def test_each_latent_decode_step_gives_the_full_forward_logits(imported):
     assert step_logits_against_full_forward(c, trainer, params, [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]], 12) <= 1e-4
 
 
+def test_every_latent_projection_splits_over_fsdp(tiny_config):
+    """No MLA weight is whole on every device under fsdp: the latents' axes take fsdp where embed does not."""
+    c = tiny_config("model_name=deepseek-v3-tiny", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()))
+    attention_specs = {name: tuple(s.spec) for name, s in
+                       trainer.state_shardings.params["moe_layers"]["attention"].items() if name.startswith("w")}
+    split = ("fsdp", "context", "expert")  # the weights' axes beside tensor (context and expert are 1 here)
+    assert attention_specs == {"wq_a": (None, split, None), "wq_b": (None, split, "tensor", None),
+                               "wkv_a": (None, split, None), "wkv_b": (None, split, "tensor", None),
+                               "wo": (None, "tensor", None, split)}
+    assert tuple(trainer.state_shardings.params["mtp_1"]["projection"].spec) == ("tensor", split)
+
+
 def test_the_latent_cache_costs_the_latent_and_the_rotary_key(tiny_config):
     from maxtrain.infer.kv_cache import bytes_per_slot, layout
     c = tiny_config("model_name=deepseek-v3-tiny", "dtype=float32", devices=jax.devices()[:1])
     args = step_lib.registry.spec_for(c).args(c)
     assert layout(args) == (1, c.qk_rope_head_dim, c.kv_lora_rank)
     assert bytes_per_slot(args) == (16 + 32) * 4  # against 2 x 4 heads x (48 + 32) x 4 expanded
+
+
+def test_forward_flops_of_latent_attention_match_xla_cost_analysis(tiny_config):
+    """The FLOPs formula (MFU's numerator) with latent attention: its five projections and its scores over
+    q/k heads of P + R and values of J; within 5% of XLA's count (which adds the elementwise work)."""
+    import flax.linen as nn
+    from maxtrain.models.args import ModelArgs
+    from maxtrain.models.decoder import Decoder
+    from maxtrain.observe import metrics
+    c = tiny_config("scan_layers=false", "base_emb_dim=256", "base_mlp_dim=1024", "vocab_size=1024",
+                    "max_target_length=128", "remat_policy=none", "attention_type=mla", "base_num_kv_heads=4",
+                    "q_lora_rank=96", "kv_lora_rank=64", "qk_nope_head_dim=64", "qk_rope_head_dim=32", "v_head_dim=48",
+                    devices=jax.devices()[:1])
+    model = Decoder(ModelArgs.from_config(c))
+    tokens = jnp.zeros((2, c.max_target_length), jnp.int32)
+    params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens))["params"]
+    cost = jax.jit(model.apply).lower({"params": params}, tokens).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    ours = metrics.forward_flops(c, tokens.size, causal=False)
+    assert abs(cost["flops"] - ours) / ours < 0.05, (cost["flops"], ours)
 
 
 def test_unsupported_configs_are_refused_in_one_line():
