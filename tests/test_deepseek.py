@@ -28,6 +28,7 @@ from conftest import decode
 from test_attention_variants import reference
 from test_convert_moe import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
 from test_decode import step_logits_against_full_forward
+from test_metrics import xla_and_formula_flops
 
 # ---------------------------------------------------------------------------------------------
 # Latent attention's shapes through the kernels: values narrower than queries and keys
@@ -226,21 +227,12 @@ def test_the_latent_cache_costs_the_latent_and_the_rotary_key(tiny_config):
 def test_forward_flops_of_latent_attention_match_xla_cost_analysis(tiny_config):
     """The FLOPs formula (MFU's numerator) with latent attention: its five projections and its scores over
     q/k heads of P + R and values of J; within 5% of XLA's count (which adds the elementwise work)."""
-    import flax.linen as nn
-    from maxtrain.models.args import ModelArgs
-    from maxtrain.models.decoder import Decoder
-    from maxtrain.observe import metrics
     c = tiny_config("scan_layers=false", "base_emb_dim=256", "base_mlp_dim=1024", "vocab_size=1024",
                     "max_target_length=128", "remat_policy=none", "attention_type=mla", "base_num_kv_heads=4",
                     "q_lora_rank=96", "kv_lora_rank=64", "qk_nope_head_dim=64", "qk_rope_head_dim=32", "v_head_dim=48",
                     devices=jax.devices()[:1])
-    model = Decoder(ModelArgs.from_config(c))
-    tokens = jnp.zeros((2, c.max_target_length), jnp.int32)
-    params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens))["params"]
-    cost = jax.jit(model.apply).lower({"params": params}, tokens).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    ours = metrics.forward_flops(c, tokens.size, causal=False)
-    assert abs(cost["flops"] - ours) / ours < 0.05, (cost["flops"], ours)
+    xla, ours = xla_and_formula_flops(c)
+    assert abs(xla - ours) / ours < 0.05, (xla, ours)
 
 
 def test_unsupported_configs_are_refused_in_one_line():
