@@ -21,7 +21,6 @@ the variant's, paired within each round (the median of those).
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess

@@ -44,9 +44,9 @@ from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.runtime.errors import ConvertError
 from maxtrain.checkpoint.hf_format import (HF_SIDE_FILES, SafetensorsDir, Tensor, hf_names, read_json,
                                 tokenizer_settings)
-from maxtrain.models import registry, stacks as stacks_lib
-from maxtrain.models.hf import (FUSED_EXPERTS_NAME, LayerTensors, hf_config_for, hf_kind, model_keys_from_hf,
-                                mtp_copies, mtp_depths, tensor_table, with_defaults)
+from maxtrain.models import stacks as stacks_lib
+from maxtrain.models.hf import hf_config_for, hf_kind, model_keys_from_hf, with_defaults
+from maxtrain.models.hf_tensors import FUSED_EXPERTS_NAME, LayerTensors, mtp_copies, mtp_depths, tensor_table
 from maxtrain.checkpoint.staging import check_out, staged, unwritable
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from maxtrain.checkpoint.hf_format import Tensor
 from maxtrain.config.keys import moe_width
-from maxtrain.models import decoder_spec, hf
+from maxtrain.models import decoder_spec, hf, hf_tensors
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 from maxtrain.runtime.errors import ConvertError
 
@@ -172,7 +172,7 @@ def _mlp_tensors(m: Keys, fused: bool) -> list[Tensor]:
     """An MoE layer's router, its balancing bias (V3), routed and shared experts."""
     d, f = m["base_emb_dim"], m["shared_experts"] * moe_width(m)
     T = lambda x: x.T  # noqa: E731
-    tensors = hf.expert_tensors(m, fused, "mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+    tensors = hf_tensors.expert_tensors(m, fused, "mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
                                 "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
     if m["routed_bias"]:
         tensors.append(Tensor(("mlp", "router_bias"), "mlp.gate.e_score_correction_bias", (m["num_experts"],),
