@@ -63,9 +63,10 @@ def test_help_keys_prints_default_and_comment_from_base_yml(capsys):
         "eval_interval: 0          # evaluate every this many steps (and at the end); 0 = never",
         "eval_steps: 10            # eval batches per evaluation (fewer if the eval set ends)",
     ]
-    assert train.main(["--help-keys", "TOPK"]) == 0  # a part of the name, any case
+    assert train.main(["--help-keys", "TOPK"]) == 0  # a part of the name, any case; comments aligned
     assert capsys.readouterr().out.splitlines() == [
-        "norm_topk_prob: false  # rescale each token's top-k scores to sum to 1 (Mixtral, Qwen3: true)"]
+        "norm_topk_prob: false   # rescale each token's top-k scores to sum to 1 (Mixtral, Qwen3: true)",
+        "topk_routing_group: -1  # the groups a token's experts come from (HF's topk_group); -1 = off"]
     # A comment over several lines is one; a key commented above it takes that comment.
     assert train.main(["--help-keys", "nan_policy"]) == 0
     assert capsys.readouterr().out.startswith('nan_policy: "skip"  # A step whose loss or gradient norm is not '

@@ -204,7 +204,8 @@ def test_the_cache_splits_rows_over_batch_then_kv_heads_and_costs_its_formula(im
     assert keys.shape == (4 * 2, shape.slots, 16) and tuple(keys.sharding.spec)[:1] == (("fsdp", "tensor"),)
     assert all(axes is None for axes in tuple(keys.sharding.spec)[1:])
     total = sum(x.nbytes for x in (*cache.keys, *cache.values))
-    assert total == shape.rows * shape.slots * bytes_per_slot(engine.args) == 2 * shape.rows * shape.slots * 2 * 16 * 4
+    assert total == c.base_num_decoder_layers * shape.rows * shape.slots * bytes_per_slot(engine.args)
+    assert bytes_per_slot(engine.args) == 2 * 2 * 16 * 4  # keys and values, 2 kv heads of 16, float32
     assert np.asarray(start).tolist() == [27, 30, 13, 27]  # left-padded to 32; the unused row copies the first
 
 

@@ -213,7 +213,8 @@ def test_greedy_generation_matches_transformers(tmp_path):
      "supported (maxtrain's gpt-oss alternates sliding_attention and full_attention, starting with sliding_attention)"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                           "attention_factor": 2.0}},
-     "config.json: yarn attention_factor=2.0 is not supported (cos and sin scale by 0.1 ln(factor) + 1)"),
+     "config.json: yarn attention_factor=2.0 is not supported (cos and sin scale by 0.1 ln(factor) + 1, or as "
+     "mscale and mscale_all_dim say)"),
 ])
 def test_unsupported_configs_are_refused_in_one_line(tmp_path, change, message):
     hf = {"model_type": "gpt_oss", **SMALL, **change}
