@@ -3,11 +3,13 @@
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from maxtrain.config import load as config
 from maxtrain.config.resolve import resolve
 from maxtrain.config.keys import ConfigError
+from maxtrain.models.args import ModelArgs
 
 from conftest import TINY
 
@@ -216,6 +218,16 @@ def test_attention_auto_is_each_platforms_kernel_and_an_explicit_value_wins():
     # beside quantized attention projections jax_nn's einsums would be quantized: blockwise on GPU
     assert resolved("quantization=int8", platform="gpu") == "blockwise"
     assert resolved("quantization=int8", "quantization_targets=mlp", platform="gpu") == "jax_nn"
+
+
+def test_dtype_auto_is_float32_only_for_narrow_models_on_cpu():
+    def dtype(*overrides, platform="cpu"):
+        return resolve(config.load([BASE, *overrides]), 1, platform=platform).dtype
+    assert dtype("base_emb_dim=128") == "float32"  # issue #41's tiny model (benchmarks/README.md)
+    assert dtype() == "bfloat16"  # base.yml's width 256
+    assert dtype("base_emb_dim=128", platform="tpu") == dtype("base_emb_dim=128", platform="gpu") == "bfloat16"
+    assert dtype("base_emb_dim=128", "dtype=bfloat16") == "bfloat16"  # an explicit value wins
+    assert config.load([BASE]).dtype == "auto" and ModelArgs.from_config(config.load([BASE])).dtype == jnp.bfloat16
 
 
 def test_auto_chunks_switch_on_where_the_unchunked_tensors_are_large():

@@ -135,13 +135,26 @@ def test_a_step_rolled_back_shows_no_sample(tmp_path, capsys):
     (["sample_interval=5"], "config error: sample_prompts: sample_interval needs prompts to continue"),
     (["sample_prompts=[1, 2]"], "config error: sample_prompts: must be a list of non-empty strings"),
     (["sample_interval=-1"], "config error: sample_interval: must be >= 0 (0 = never)"),
-    (["sample_interval=2", 'sample_prompts=["x"]', "max_new_tokens=40"],
-     "config error: max_new_tokens: 40 after the 2-token sample prompt 'x' exceeds max_target_length=32"),
+    (["sample_interval=2", f'sample_prompts=["{"x" * 31}"]'],
+     "config error: sample_prompts: '" + "x" * 31 + "' is 32 tokens: no room for a new one in max_target_length=32"),
 ])
 def test_sample_keys_are_checked_before_training(tmp_path, capsys, args, expected):
     assert train.main([TINY, *BYTES, f"base_output_directory={tmp_path}", *args]) == 2
     assert one_line(capsys.readouterr().err).startswith(expected)
     assert not (tmp_path / "tiny").exists()  # refused before the run directory is made
+
+
+def test_samples_longer_than_the_context_stop_early_with_a_warning(tmp_path, capsys):
+    """A context shortened below the config's max_new_tokens (shakespeare.yml's 64 at max_target_length=64):
+    one warning, and the samples stop where the context ends; the run trains on."""
+    assert train.main([TINY, *BYTES, f"base_output_directory={tmp_path}", "steps=2", "sample_interval=2",
+                       'sample_prompts=["x", "xyz"]', "max_new_tokens=40", "temperature=1.0"]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: max_new_tokens: 40 after the 4-token sample prompt 'xyz' exceeds max_target_length=32: "
+            "samples stop at 28 new tokens") in out.splitlines()
+    rows = [json.loads(x) for x in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    samples = next(r for r in rows if "samples" in r)["samples"]
+    assert len(samples) == 2 and all(len(s["text"]) <= 28 for s in samples)  # a token decodes to a char at most
 
 
 @pytest.mark.slow

@@ -57,11 +57,11 @@ def test_a_later_rule_applies_where_the_first_ones_axes_are_taken():
 
 
 def test_a_resolved_config_declares_what_it_adds_and_leaves_nothing_auto():
-    loaded = config_lib.load([TINY])
+    loaded = config_lib.load([TINY, "dtype=auto"])
     c = resolve(loaded, 8)
     assert isinstance(c, Resolved) and not isinstance(loaded, Resolved)
     assert set(c) - set(loaded) == set(DERIVED)
-    assert all(loaded[k] == auto for k, auto in AUTO.items())  # tiny.yml leaves them all auto
+    assert all(loaded[k] == auto for k, auto in AUTO.items())  # tiny.yml (its float32 aside) leaves them all auto
     assert all(c[k] != auto for k, auto in AUTO.items())
     assert c.mesh_shape == {**{a: 1 for a in MESH_AXES}, "fsdp": 8} and c.global_batch_size == 8
     assert isinstance(c.replace(scan_unroll=2), Resolved) and c.replace(scan_unroll=2).plan.scan_unroll == 2

@@ -40,7 +40,7 @@ MODEL_TRAINING_KEYS = ("load_balance_loss_weight", "mtp_loss_scaling_factor")
 PRESET_KEYS = (*MODEL_KEYS, *MODEL_TRAINING_KEYS)
 # Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.models.remat.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": DTYPES,
+    "dtype": ("auto", *DTYPES),
     "weight_dtype": DTYPES,
     "mu_dtype": DTYPES,
     "learning_rate_schedule": ("cosine", "linear", "constant"),

@@ -1,6 +1,7 @@
-"""Platform defaults: the values `attention=auto` and `loss_chunk_size` / `mlp_chunk_size=-1` take once
-the devices are known, so that the plain command is the fast, lean one on TPU, GPU and CPU. Each rule is
-stated in base.yml beside its key; an explicit value always wins."""
+"""Platform defaults: the values `dtype=auto`, `attention=auto` and `loss_chunk_size` / `mlp_chunk_size=-1`
+take once the devices are known, so that the plain command is the fast, lean one on TPU, GPU and CPU. Each
+rule is stated in base.yml beside its key (the measurements behind them: benchmarks/README.md); an explicit
+value always wins."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
     """The auto values of a config whose mesh is resolved (maxtrain.config.resolve), and moe_chunk_size, as
     {key: value}."""
     c = dict(resolving)
+    if c["dtype"] == "auto":
+        c["dtype"] = dtype_for(platform, c["base_emb_dim"])
     if c["attention"] == "auto":
         quantized = "attention" in quantization.targets(c)
         c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
@@ -27,8 +30,18 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
     if c["scan_unroll"] == -1:
         c["scan_unroll"] = scan_unroll_for(platform, c["remat_policy"], c["base_num_decoder_layers"])
     auto_chunks(c)
-    return {k: c[k] for k in ("attention", "moe_grouped_matmul", "scan_unroll", "loss_chunk_size", "mlp_chunk_size",
-                              "moe_chunk_size")}
+    return {k: c[k] for k in ("dtype", "attention", "moe_grouped_matmul", "scan_unroll", "loss_chunk_size",
+                              "mlp_chunk_size", "moe_chunk_size")}
+
+
+NARROW = 256  # widths below this are small enough that bfloat16 loses on CPU
+
+
+def dtype_for(platform: str, width: int) -> str:
+    """dtype=auto. bfloat16 halves the memory traffic of every activation, which is the step on TPU and GPU
+    and for a model of some width on CPU; for a narrow one on CPU the matmuls are small and XLA:CPU's
+    converts to and from bfloat16 around each of them cost more than bfloat16 saves."""
+    return "float32" if platform == "cpu" and width < NARROW else "bfloat16"
 
 
 def scan_unroll_for(platform: str, remat_policy: str, layers: int) -> int:

@@ -32,7 +32,7 @@ DERIVED = {
     "pipeline_repeats": "visits of a micro-batch to each stage (num_pipeline_repeats, -1 filled); 1 = GPipe",
 }
 # Keys whose auto value resolve replaces (platform_defaults), and that value.
-AUTO = {"attention": "auto", "moe_grouped_matmul": "auto", "scan_unroll": -1, "loss_chunk_size": -1,
+AUTO = {"dtype": "auto", "attention": "auto", "moe_grouped_matmul": "auto", "scan_unroll": -1, "loss_chunk_size": -1,
         "mlp_chunk_size": -1}
 
 

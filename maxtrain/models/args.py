@@ -88,7 +88,7 @@ class ModelArgs:
             mlp_activation=c.mlp_activation, mlp_activation_limit=c.mlp_activation_limit, mlp_bias=c.mlp_bias,
             router_logit_bias=c.router_logit_bias,
             norm_eps=c.normalization_layer_epsilon, tied_embeddings=c.logits_via_embedding,
-            qkv_bias=c.qkv_bias, dtype=jnp.dtype(c.dtype), weight_dtype=jnp.dtype(c.weight_dtype),
+            qkv_bias=c.qkv_bias, dtype=jnp.dtype(compute_dtype(c)), weight_dtype=jnp.dtype(c.weight_dtype),
             scan_layers=c.scan_layers, logits_dot_in_fp32=c.logits_dot_in_fp32, qk_norm=c.use_qk_norm,
             quantized_mlp="mlp" in quantization.targets(c),
             num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_mlp=c.moe_mlp_dim,
@@ -134,3 +134,9 @@ def query_scale(c) -> float:
         return (c.query_pre_attn_scalar or c.head_dim) ** -0.5
     scale = (c.query_pre_attn_scalar or c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
     return scale * Rope.from_config(c).yarn_scale(c.rope_yarn_mscale_all_dim) ** 2 if c.rope_yarn_mscale_all_dim else scale
+
+
+def compute_dtype(c) -> str:
+    """The config's compute dtype; dtype=auto before the devices are known (a loaded config, as unit tests
+    build models from): bfloat16, the accelerators' choice (resolve picks the platform's)."""
+    return "bfloat16" if c.dtype == "auto" else c.dtype
