@@ -69,7 +69,8 @@ def test_a_run_says_what_it_does(train_tiny, tmp_path, monkeypatch, capsys):
     assert out[3] == "compiling the train step (in the background while the state is made)"
     beats = [line for line in out if line.startswith("still ")]
     phase = re.compile(r"still (initializing the state and compiling the train step|compiling the train step|"
-                       rf"saving checkpoint [24]|reading the newest checkpoint in {run}/checkpoints) \(\d+s\)")
+                       rf"saving checkpoint [24]|reading the newest checkpoint in {run}/checkpoints|"
+                       r"waiting for the last checkpoint to be written) \(\d+s\)")  # the last: on a loaded machine
     assert all(phase.fullmatch(line) for line in beats), beats
     assert any("compiling the train step" in line for line in beats), out  # the slow compile had its beats
     compiled = next(line for line in out if line.startswith("train step compiled in "))
