@@ -79,3 +79,11 @@ def decode(c, trainer, params, prompts, max_new_tokens, sampling=None, eos_id=No
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         return engine.generate(engine.weights(params), prompts, max_new_tokens, sampling or Sampling(), eos_id,
                                batch_size).ids
+
+
+FIRST = ("tests/test_readme.py::test_the_readmes_commands_give_what_it_shows",)  # the longest test, by far
+
+
+def pytest_collection_modifyitems(items):
+    """The longest test first, so that under `-n 2` it runs beside the rest instead of after it."""
+    items.sort(key=lambda item: item.nodeid not in FIRST)  # stable: the others keep their order

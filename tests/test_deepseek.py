@@ -316,9 +316,10 @@ def test_the_loss_adds_each_depths_cross_entropy_scaled(tiny_config):
     batch = mtp.shifted(data.synthetic_batch(0, seed=0, batch=2, length=c.max_target_length, vocab=c.vocab_size), 2)
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         params = trainer.init(jax.random.key(0)).params
-        plain, plain_aux = step_lib.loss_fn(params, trainer.model, batch)
-        total, aux = step_lib.loss_fn(params, trainer.model, batch, mtp_factor=0.3)
-        zero, _ = step_lib.loss_fn(params, trainer.model, batch, mtp_factor=0.0)
+        loss = jax.jit(lambda p, b, **kw: step_lib.loss_fn(p, trainer.model, b, **kw), static_argnames="mtp_factor")
+        plain, plain_aux = loss(params, batch)
+        total, aux = loss(params, batch, mtp_factor=0.3)
+        zero, _ = loss(params, batch, mtp_factor=0.0)
     assert "mtp_loss_sum" not in plain_aux and float(plain) == pytest.approx(float(zero), rel=1e-6)
     assert float(aux["mtp_tokens"]) == float(jnp.sum(batch["mtp_weights_1"]) + jnp.sum(batch["mtp_weights_2"]))
     assert float(total) == pytest.approx(float(plain) + 0.3 / 2 * float(aux["mtp_loss_sum"]), rel=1e-5)
