@@ -204,9 +204,43 @@ def test_a_lost_peer_is_one_line_naming_it_and_the_last_checkpoint(tmp_path, vic
     from maxtrain.checkpoint.trust import Trust
     trusted = Trust(ckpts, 0.0).newest_trusted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
     assert trusted is not None  # checkpoints 2 and 4 were judged by steps 3 and 5
-    assert survivor.returncode == 1 and line == (f"run error: {went_away}: this process stopped too; last trusted "
-                                                 f"checkpoint: step {trusted} in {ckpts}"), err[-3000:]
+    # a killed peer: gloo may see its socket close before the service misses a heartbeat
+    closed = f"process {victim} of 2 went away (its connection closed during a collective)"
+    closed = closed if sig == signal.SIGKILL else None
+    assert survivor.returncode == 1 and line in (
+        f"run error: {reason}: this process stopped too; last trusted checkpoint: step {trusted} in {ckpts}"
+        for reason in (went_away, closed) if reason), err[-3000:]
     assert seconds < HEARTBEAT + 30, seconds
+
+
+GLOO_ABORT = """
+import os, sys
+print("step 5 | loss 5.0", flush=True)
+sys.stderr.write("terminate called after throwing an instance of 'gloo::EnforceNotMet'\\n"
+                 "  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:539] op.preamble.length "
+                 "<= op.nbytes. Connection closed by peer [127.0.0.1]:40123\\n")
+sys.stderr.flush()
+os.abort()
+"""
+
+
+def test_gloos_abort_when_a_peer_closes_its_socket_is_one_line(tmp_path, monkeypatch, capfd):
+    """Under load gloo can notice a killed peer before the coordination service does: its exception
+    ends the child through std::terminate. The survivor says which peer went away, in one line."""
+    from maxtrain.runtime import distributed
+    c = config_lib.load([TINY, f"base_output_directory={tmp_path}", "num_processes=2", "process_id=0",
+                         "coordinator_address=127.0.0.1:1"])
+    monkeypatch.setattr(os.sys, "orig_argv", [os.sys.executable, "-c", GLOO_ABORT])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        code = distributed._run_child(c)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out, err = capfd.readouterr()
+    assert code == 1 and "step 5 | loss 5.0" in out
+    assert one_line(err) == ("run error: process 1 of 2 went away (its connection closed during a collective): "
+                             "this process stopped too; checkpointing is off"), err
 
 
 @pytest.mark.slow

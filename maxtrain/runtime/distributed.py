@@ -82,6 +82,11 @@ _ONE_LINE = re.compile(rb"^[a-z]+ error: ")  # errors.exit_code's
 _UNHEALTHY = re.compile(r"stopped sending heartbeats\):\n((?:\d+\n)+)")
 _TIMED_OUT = re.compile(r"Task (\d+) heartbeat timeout")
 _LEADER = "the leader task was preempted/died/restarted"
+# gloo's error when a peer's socket closes mid-collective, thrown on its own thread: std::terminate prints
+# "terminate called after throwing an instance of 'gloo::EnforceNotMet'" and aborts, at times before the
+# coordination service has missed any heartbeat (seen on a loaded machine)
+_TERMINATE = b"terminate called after throwing"
+_GLOO_LOST = re.compile(r"gloo::\w+'|Connection closed by peer")
 WARNING_DELAY_S = 5.0
 
 
@@ -137,7 +142,8 @@ def _run_child(c: Config) -> int:
             held.append(line)
             continue
         if line:
-            native = _ABSL_LINE.match(line) or line.startswith(b"Traceback (most recent call last)")
+            native = (_ABSL_LINE.match(line) or line.startswith(b"Traceback (most recent call last)")
+                      or line.startswith(_TERMINATE))
             if native and line[:1] != b"W":
                 held.extend(x for _, x in waiting)
                 held.append(line)
@@ -175,6 +181,9 @@ def _who_went_away(c: Config, text: str, code: int) -> str:
         return f"process{'es' if len(tasks) > 1 else ''} {which}{n} went away ({timeout}): this process stopped too"
     if _LEADER in text:
         return f"process 0{n} (the coordinator) went away: this process stopped too"
+    if _GLOO_LOST.search(text):  # the service had not noticed yet; of two processes, it was the other one
+        who = f"process {1 - c.process_id}{n}" if c.num_processes == 2 and c.process_id in (0, 1) else "a peer"
+        return f"{who} went away (its connection closed during a collective): this process stopped too"
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     return f"this process ({c.process_id if c.process_id >= 0 else '?'}{n}) ended abnormally ({how})"
 
