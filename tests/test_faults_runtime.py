@@ -217,20 +217,27 @@ GLOO_ABORT = """
 import os, sys
 print("step 5 | loss 5.0", flush=True)
 sys.stderr.write("terminate called after throwing an instance of 'gloo::EnforceNotMet'\\n"
-                 "  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:539] op.preamble.length "
-                 "<= op.nbytes. Connection closed by peer [127.0.0.1]:40123\\n")
+                 "  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:539] {what}\\n")
 sys.stderr.flush()
 os.abort()
 """
+PAIR = "[enforce fail at external/gloo/gloo/transport/tcp/pair.cc:539]"
 
 
-def test_gloos_abort_when_a_peer_closes_its_socket_is_one_line(tmp_path, monkeypatch, capfd):
-    """Under load gloo can notice a killed peer before the coordination service does: its exception
-    ends the child through std::terminate. The survivor says which peer went away, in one line."""
+@pytest.mark.parametrize("what, reason", [
+    ("Connection closed by peer [127.0.0.1]:40123",
+     "process 1 of 2 went away (its connection closed during a collective)"),
+    ("op.preamble.length <= op.nbytes. 8 vs 4",
+     f"a collective failed (gloo: {PAIR} op.preamble.length <= op.nbytes. 8 vs 4)"),
+], ids=["peer_closed", "other"])
+def test_gloos_abort_in_a_collective_is_one_line(tmp_path, monkeypatch, capfd, what, reason):
+    """Under load gloo can notice a killed peer before the coordination service does: its exception ends
+    the child through std::terminate. The survivor says which peer went away (or, for gloo's other
+    failures, gloo's own words), in one line."""
     from maxtrain.runtime import distributed
     c = config_lib.load([TINY, f"base_output_directory={tmp_path}", "num_processes=2", "process_id=0",
                          "coordinator_address=127.0.0.1:1"])
-    monkeypatch.setattr(os.sys, "orig_argv", [os.sys.executable, "-c", GLOO_ABORT])
+    monkeypatch.setattr(os.sys, "orig_argv", [os.sys.executable, "-c", GLOO_ABORT.replace("{what}", what)])
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         code = distributed._run_child(c)
@@ -239,8 +246,7 @@ def test_gloos_abort_when_a_peer_closes_its_socket_is_one_line(tmp_path, monkeyp
             signal.signal(sig, handler)
     out, err = capfd.readouterr()
     assert code == 1 and "step 5 | loss 5.0" in out
-    assert one_line(err) == ("run error: process 1 of 2 went away (its connection closed during a collective): "
-                             "this process stopped too; checkpointing is off"), err
+    assert one_line(err) == f"run error: {reason}: this process stopped too; checkpointing is off", err
 
 
 @pytest.mark.slow

@@ -86,7 +86,7 @@ _LEADER = "the leader task was preempted/died/restarted"
 # "terminate called after throwing an instance of 'gloo::EnforceNotMet'" and aborts, at times before the
 # coordination service has missed any heartbeat (seen on a loaded machine)
 _TERMINATE = b"terminate called after throwing"
-_GLOO_LOST = re.compile(r"gloo::\w+'|Connection closed by peer")
+_GLOO_WHAT = re.compile(r"terminate called after throwing an instance of 'gloo::\w+'\n\s*what\(\):\s*(.*)")
 WARNING_DELAY_S = 5.0
 
 
@@ -181,9 +181,12 @@ def _who_went_away(c: Config, text: str, code: int) -> str:
         return f"process{'es' if len(tasks) > 1 else ''} {which}{n} went away ({timeout}): this process stopped too"
     if _LEADER in text:
         return f"process 0{n} (the coordinator) went away: this process stopped too"
-    if _GLOO_LOST.search(text):  # the service had not noticed yet; of two processes, it was the other one
+    gloo = _GLOO_WHAT.search(text)
+    if gloo and "Connection closed by peer" in gloo.group(1):  # the service had not noticed yet
         who = f"process {1 - c.process_id}{n}" if c.num_processes == 2 and c.process_id in (0, 1) else "a peer"
         return f"{who} went away (its connection closed during a collective): this process stopped too"
+    if gloo:  # any other failure of a collective: gloo's own words
+        return f"a collective failed (gloo: {gloo.group(1).strip()}): this process stopped too"
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     return f"this process ({c.process_id if c.process_id >= 0 else '?'}{n}) ended abnormally ({how})"
 
