@@ -532,14 +532,35 @@ def test_two_processes_roll_back_and_fall_back_together(tmp_path):
     assert proc.stdout.count("rollback: step") == 2
     assert "more than max_nonfinite_steps=2" in (tmp_path / "logs" / "process_1.log").read_text()
     finite_checkpoints(tmp_path / "div")
-    # A damaged newest step: both processes fall back to the same older one.
+    # A damaged newest step: both processes fall back to the same older one. The damage is in a file both
+    # read (the largest file is one process's own shards, which of them by timing: see the next test).
     proc = launch(tmp_path, *CKPT, *mesh, "run_name=ok", "steps=4", "checkpoint_period=2", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    damage("bit flips", tmp_path / "ok" / "checkpoints" / "4")
+    flip_bytes(tmp_path / "ok" / "checkpoints" / "4" / "state" / "_METADATA")
     proc = launch(tmp_path, *CKPT, *mesh, "run_name=ok", "steps=6", "checkpoint_period=2", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {tmp_path}/ok/checkpoints/2" in proc.stdout and "done: 6 steps" in proc.stdout
     assert (tmp_path / "ok" / "checkpoints" / "4.unusable").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known bug: process 1's read fails inside Orbax's restore while process 0 "
+                   "waits in Orbax's closing barrier (a collective), so the two collectives mismatch and the job "
+                   "stops after the heartbeat timeout instead of falling back")
+def test_a_file_only_one_process_reads_damaged_falls_back_on_both(tmp_path):
+    """Each process reads its own shards: a damaged file of process 1's fails its read alone. Both should
+    agree on that and fall back together."""
+    from test_multiprocess import launch
+    mesh = ("ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2")
+    proc = launch(tmp_path, *CKPT, *mesh, "run_name=one", "steps=4", "checkpoint_period=2", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = largest_file(tmp_path / "one" / "checkpoints" / "4" / "state" / "ocdbt.process_1")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    proc = launch(tmp_path, *CKPT, *mesh, "run_name=one", "steps=6", "checkpoint_period=2",
+                  "distributed_heartbeat_timeout_seconds=10", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {tmp_path}/one/checkpoints/2" in proc.stdout and "done: 6 steps" in proc.stdout
+    assert (tmp_path / "one" / "checkpoints" / "4.unusable").is_dir()
 
 
 @pytest.mark.parametrize("text", [
