@@ -159,11 +159,17 @@ class Checkpointer:
         except Exception as e:
             raise self._failed(step, e) from None
         self._unconfirmed = step
-        self.trust.saved(step)
+        try:
+            self.trust.saved(step)
+        except OSError as e:
+            raise self._failed(step, e) from None
 
     def observe(self, step: int, loss: float, finite: bool) -> None:
         """Every step's loss, in order: the first step on a saved state's parameters judges that checkpoint."""
-        why = self.trust.observe(step, loss, finite)
+        try:
+            why = self.trust.observe(step, loss, finite)
+        except OSError as e:
+            raise self._verdicts_failed(e) from None
         if why is not None and jax.process_index() == 0:
             print(f"warning: checkpoint {step - 1} is not trusted: {why}; {self.last_trusted()}", flush=True)
 
@@ -195,12 +201,24 @@ class Checkpointer:
         self._prune()
 
     def _failed(self, step: int, e: BaseException) -> SaveError:
-        good = [s for s in self.manager.all_steps() if s != step]
+        return SaveError(f"saving step {step} to {self.directory / str(step)} failed: {os_error_text(e)}; "
+                         f"the last good checkpoint is {self._last_good(but=step)}")
+
+    def _verdicts_failed(self, e: OSError) -> SaveError:
+        return SaveError(f"writing the checkpoints' verdicts to {self.trust.path} failed: {os_error_text(e)}; "
+                         f"the last good checkpoint is {self._last_good()}")
+
+    def _forget(self, steps) -> None:
+        try:
+            self.trust.forget(steps)
+        except OSError as e:
+            raise self._verdicts_failed(e) from None
+
+    def _last_good(self, but: int | None = None) -> str:
+        good = [s for s in self.manager.all_steps() if s != but]
         trusted = self.trust.newest_trusted(good)
         newest = trusted if trusted is not None else max(good, default=None)
-        last = f"step {newest} in {self.directory}" if newest is not None else "none"
-        return SaveError(f"saving step {step} to {self.directory / str(step)} failed: {os_error_text(e)}; "
-                         f"the last good checkpoint is {last}")
+        return f"step {newest} in {self.directory}" if newest is not None else "none"
 
     def _prune(self) -> None:
         """Keeps the newest max_num_checkpoints_to_keep complete steps and the newest trusted one (called
@@ -213,7 +231,7 @@ class Checkpointer:
         for step in doomed:
             self.manager.delete(step)
         if doomed:
-            self.trust.forget(doomed)
+            self._forget(doomed)
 
     def wait(self) -> None:
         """Blocks until the save in flight is durable (SaveError if it failed)."""
@@ -319,7 +337,7 @@ class Checkpointer:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"maxtrain_move_aside_{step}")
         self.manager.reload()
-        self.trust.forget([step])
+        self._forget([step])
         return target
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 import jax
 
 from maxtrain.runtime import storage
-from maxtrain.runtime.errors import RunError
 
 FILE = "trust.json"
 HISTORY = 32       # recent finite losses kept for the spike test
@@ -110,7 +109,6 @@ class Trust:
             return
         record = {"trusted": sorted(self.trusted), "rejected": {str(s): w for s, w in sorted(self.rejected.items())},
                   "losses": self.losses}
-        try:  # a kill leaves the old verdicts or the new ones, never half a file
-            storage.write_atomic(self.path, json.dumps(record))
-        except OSError as e:
-            raise RunError(f"cannot write {self.path}: {e.strerror} [errno {e.errno}]") from None
+        # A kill leaves the old verdicts or the new ones, never half a file. An OSError (a full disk) goes
+        # to the checkpoint manager, which names the last good checkpoint.
+        storage.write_atomic(self.path, json.dumps(record))
