@@ -43,6 +43,7 @@ from maxtrain.checkpoint.trust import Trust
 
 log = logging.getLogger("maxtrain")
 DIGEST_VERSION = 1
+BARRIER_PREFIX = "maxtrain"  # of Orbax's barriers' names: we join the one that ends a restore (_restore_together)
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -98,6 +99,14 @@ def first_line(e: BaseException) -> str:
     return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
 
 
+def read_error_text(e: BaseException | None) -> str:
+    """What failed in a read: Orbax wraps TensorStore's error ('OUT_OF_RANGE: Error reading "params..." in
+    OCDBT database ...') in one that names only an index range, so the innermost cause says it."""
+    while e is not None and e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {first_line(e)[:200]}"
+
+
 def os_error_text(e: BaseException) -> str:
     """'No space left on device [errno 28]' from an OSError or from tensorstore's error text."""
     if isinstance(e, OSError) and e.strerror:
@@ -106,12 +115,20 @@ def os_error_text(e: BaseException) -> str:
     return f"{os.strerror(int(m.group(1)))} [errno {m.group(1)}]" if m else f"{type(e).__name__}: {first_line(e)}"
 
 
-def _all_processes(ok: bool) -> bool:
-    """True if `ok` on every process: a fallback decision must be the same everywhere."""
+def _processes_failing(ok: bool) -> list[int]:
+    """The processes where `ok` is false: a fallback decision must be the same everywhere."""
     if jax.process_count() == 1:
-        return ok
+        return [] if ok else [0]
     from jax.experimental import multihost_utils
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+    oks = multihost_utils.process_allgather(np.array(ok))
+    return [i for i, good in enumerate(np.asarray(oks).reshape(-1)) if not good]
+
+
+def _agree(ok: bool, why: str, what: str) -> None:
+    """Raises Corrupt on every process if `ok` is false on any: this one's reason, or which process failed."""
+    failing = _processes_failing(ok)
+    if failing:
+        raise Corrupt(why if not ok else f"process {failing[0]} {what}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +145,8 @@ class Checkpointer:
             max_to_keep=None,  # retention is ours: see _prune
             enable_async_checkpointing=c.async_checkpointing,
             cleanup_tmp_directories=True,
-            create=True)
+            create=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=BARRIER_PREFIX))
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options,
                                                  item_names=("state", "data", "model", "digest"))
@@ -296,34 +314,43 @@ class Checkpointer:
 
     def _restore_step(self, step: int, abstract_state):
         where = str(self.directory / str(step))
-        try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(
-                model=ocp.args.JsonRestore(), digest=ocp.args.JsonRestore()))
-            saved_model, record = meta["model"], meta["digest"]
-            if not (isinstance(saved_model, dict) and isinstance(record, dict)
-                    and record.get("version") == DIGEST_VERSION):
-                raise Corrupt("its model description or digest is not what maxtrain writes")
-        except Corrupt:
-            raise
-        except Exception as e:  # a missing, empty or garbled file: Orbax raises many types
-            raise Corrupt(f"cannot read its model description and digest: {type(e).__name__}") from None
+        meta, failure = self._restore_together(step, ocp.args.Composite(
+            model=ocp.args.JsonRestore(), digest=ocp.args.JsonRestore()))
+        # a missing, empty or garbled file: Orbax raises many types
+        _agree(failure is None, f"cannot read its model description and digest: {type(failure).__name__}",
+               "could not read its model description and digest")
+        saved_model, record = meta["model"], meta["digest"]
+        if not (isinstance(saved_model, dict) and isinstance(record, dict)
+                and record.get("version") == DIGEST_VERSION):
+            raise Corrupt("its model description or digest is not what maxtrain writes")
         check_model(saved_model, self.config, where, f"; run_name={self.config.run_name} is another model's run: "
                     "choose another run_name, or leave it unset for one derived from the model")  # not damage
         check_layout(record["leaves"], abstract_state, where, RESUME_HINT)
-        ok, why, restored = True, "", None
+        restored, failure = self._restore_together(step, ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        _agree(failure is None, f"cannot read its state: {read_error_text(failure)}",
+               "could not read its state")  # before verify(): its checksums are collectives
+        ok, why = True, ""
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
             verify(restored["state"], record)
             if json_sha256(restored["data"]) != record.get("data_sha256"):
                 raise Corrupt("its data position does not match its checksum")
         except Corrupt as e:
             ok, why = False, str(e)
-        except Exception as e:
-            ok, why = False, f"cannot read its state: {type(e).__name__}: {first_line(e)[:120]}"
-        if not _all_processes(ok):
-            raise Corrupt(why or "another process could not read it")
+        _agree(ok, why, "found it damaged")
         return restored["state"], restored["data"]
+
+    def _restore_together(self, step: int, args) -> tuple[Any, Exception | None]:
+        """Orbax's restore of `step`: (what it read, None) or (None, the error). Orbax ends a restore with a
+        barrier of every process (a collective): a process whose own files fail to read raises before it,
+        so it joins that barrier here, or the others wait in it while it goes on to the next collective."""
+        try:
+            return self.manager.restore(step, args=args), None
+        except Exception as e:
+            if jax.process_count() > 1:
+                ocp.multihost.sync_global_processes(
+                    ocp.multihost.unique_barrier_key("Checkpointer:restore", prefix=BARRIER_PREFIX))
+            return None, e
 
     def _move_aside(self, step: int, why: str = "unusable") -> Path:
         target = self.directory / f"{step}.{why}"
