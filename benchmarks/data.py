@@ -1,28 +1,43 @@
-"""Input pipeline speed (text -> tokenize -> pack -> batch) per tokenizer, against what the training
-step of the ~22M-parameter throughput config consumes, on this machine, in one run.
+"""The input pipeline on this machine, in one run: maxtrain.prepare against the tokenizer's own batch encoding
+(the limit), and the tokens/s each reader makes per host, drained with no training step, against what the
+step of the ~22M-parameter throughput config consumes.
 
-    python benchmarks/data.py [--seconds 5]
+    python benchmarks/data.py [--megabytes 40] [--seconds 5]
 
-The pipeline must stay ahead of the step: the ratio column should be >= 5.
+The corpus: shuffled paragraphs of Tiny Shakespeare in jsonl files of 4 MB, made in a temporary folder. The
+HF tokenizer is a byte-level BPE of 8192 tokens trained on the same text.
 """
 
 import argparse
+import os
+import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from throughput import CONFIG, measure  # same folder
-
-from maxtrain.data import pipeline as data
-from maxtrain import train
-from maxtrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
-
 REPO = Path(__file__).parent.parent
+sys.path.insert(0, str(REPO / "tests"))
 TEXT = REPO / "data" / "tinyshakespeare.txt"
 
 
-def hf_tokenizer(workdir: Path) -> HuggingFaceTokenizer:
-    """A byte-level BPE (vocab 8192) trained on the corpus, saved and loaded as tokenizer.json."""
+def make_corpus(folder: Path, megabytes: float) -> list[str]:
+    import json
+    paragraphs = [p for p in TEXT.read_text().split("\n\n") if p.strip()]
+    rng, files, size = random.Random(0), [], 0
+    folder.mkdir(parents=True, exist_ok=True)
+    while size < megabytes * 1e6:
+        path = folder / f"part-{len(files):04d}.jsonl"
+        with open(path, "w") as f:
+            while f.tell() < 4e6 and size + f.tell() < megabytes * 1e6:
+                f.write(json.dumps({"text": rng.choice(paragraphs)}) + "\n")
+        size += path.stat().st_size
+        files.append(str(path))
+    return files
+
+
+def hf_tokenizer(workdir: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -30,43 +45,88 @@ def hf_tokenizer(workdir: Path) -> HuggingFaceTokenizer:
     tok.train([str(TEXT)], trainers.BpeTrainer(vocab_size=8192, special_tokens=["<pad>", "<s>", "</s>"],
                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(workdir / "tokenizer.json"))
-    return HuggingFaceTokenizer(str(workdir / "tokenizer.json"), True, True, "<s>", "</s>")
+    return workdir / "tokenizer.json"
 
 
-def sentencepiece_tokenizer():
-    try:
-        import mistral_common
-    except ImportError:
-        return None
-    return SentencePieceTokenizer(str(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"), True, True)
+def encode_batch_rate(files: list[str], tokenizer_json: Path) -> float:
+    """The limit: every document in memory, then the tokenizer's own encode_batch on all cores."""
+    import json
+    from tokenizers import Tokenizer
+    docs = [json.loads(line)["text"] for f in files for line in open(f)]
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    t0 = time.perf_counter()
+    tokens = sum(len(e.ids) for e in tok.encode_batch(docs))
+    return tokens / (time.perf_counter() - t0)
 
 
-def pipeline_tokens_per_second(c, tokenizer, seconds: float) -> float:
-    docs = data.document_source(c, [str(TEXT)])
-    it = iter(data.make_dataset(c, docs, tokenizer, process_index=0, process_count=1, train=True))
-    next(it)  # start-up (threads, first shuffle) is not throughput
+def prepare_rate(files_glob: str, out: Path, *tokenizer: str) -> tuple[float, float]:
+    """(tokens/s of the whole command, wall seconds), from start to the last shard written."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.prepare", str(REPO / "configs" / "base.yml"),
+                           f"train_files={files_glob}", f"prepared_dir={out}", *tokenizer],
+                          capture_output=True, text=True, cwd=REPO)
+    seconds = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(proc.stderr)
+    import json
+    tokens = json.loads((out / "manifest.json").read_text())["tokens"]
+    return tokens / seconds, seconds
+
+
+def drain(c, seconds: float) -> float:
+    """Tokens/s of the train iterator alone, one process, its thread reading ahead."""
+    import jax
+    import numpy as np
+    from maxtrain.data import pipeline as data
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    it = data.make_iterator(c, sharding)
+    next(it)
     tokens, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        tokens += int(next(it)["weights"].sum())
-    return tokens / (time.perf_counter() - t0)
+        next(it)
+        tokens += c.global_batch_size * c.max_target_length
+    rate = tokens / (time.perf_counter() - t0)
+    it.close()
+    return rate
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--megabytes", type=float, default=40)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
-    c = train.load_config(CONFIG + ["dataset_type=text", f"train_files={TEXT}"])
-    step = measure(c, steps=3)
-    step_tps = c.global_batch_size * c.max_target_length / step["seconds"]
+    from throughput import CONFIG, measure  # same folder
+    from maxtrain import train
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizers = [("byte", ByteTokenizer(True, True)), ("huggingface BPE 8k", hf_tokenizer(Path(tmp))),
-                      ("sentencepiece llama 32k", sentencepiece_tokenizer())]
-        rows = [(name, pipeline_tokens_per_second(c, tok, args.seconds)) for name, tok in tokenizers if tok]
-    print(f"train step ({c.num_params / 1e6:.0f}M params, batch {c.global_batch_size} x {c.max_target_length}, "
-          f"remat {c.remat_policy}) consumes {step_tps:,.0f} tokens/s")
-    print("| tokenizer | pipeline tokens/s | pipeline / step |\n|---|---|---|")
-    for name, tps in rows:
-        print(f"| {name} | {tps:,.0f} | {tps / step_tps:,.1f}x |")
+        tmp = Path(tmp)
+        files = make_corpus(tmp / "corpus", args.megabytes)
+        tok = hf_tokenizer(tmp)
+        hf = ("tokenizer_type=huggingface", f"tokenizer_path={tok}", "hf_bos_token=<s>", "hf_eos_token=</s>")
+        limit = encode_batch_rate(files, tok)
+        rate, seconds = prepare_rate(f"{tmp}/corpus/*.jsonl", tmp / "tok-hf", *hf)
+        byte_rate, byte_seconds = prepare_rate(f"{tmp}/corpus/*.jsonl", tmp / "tok-byte")
+        print(f"corpus: {len(files)} jsonl files, {sum(os.path.getsize(f) for f in files) / 1e6:.0f} MB; "
+              f"{os.cpu_count()} cores")
+        print("| prepare | tokens/s | ratio |\n|---|---|---|")
+        print(f"| HF BPE 8k: tokenizer's own encode_batch, all documents in memory (the limit) | {limit:,.0f} | 1.00x |")
+        print(f"| HF BPE 8k: python -m maxtrain.prepare, whole command ({seconds:.1f} s) | {rate:,.0f} | "
+              f"{rate / limit:.2f}x |")
+        print(f"| byte: python -m maxtrain.prepare, whole command ({byte_seconds:.1f} s) | {byte_rate:,.0f} | |")
+
+        step_c = train.load_config(CONFIG + ["dataset_type=text", f"train_files={TEXT}"])
+        consumed = step_c.global_batch_size * step_c.max_target_length / measure(step_c, steps=3)["seconds"]
+        base = CONFIG + ["max_target_length=1024", "per_device_batch_size=32"]
+        rows = [("prepared (byte)", ["dataset_type=prepared", f"train_files={tmp / 'tok-byte'}"]),
+                ("prepared (HF BPE 8k)", ["dataset_type=prepared", f"train_files={tmp / 'tok-hf'}", *hf]),
+                ("streamed jsonl (byte)", ["dataset_type=text", f"train_files={tmp}/corpus/*.jsonl"]),
+                ("streamed jsonl (HF BPE 8k)", ["dataset_type=text", f"train_files={tmp}/corpus/*.jsonl", *hf])]
+        print(f"\ntrain step ({step_c.num_params / 1e6:.0f}M params, batch {step_c.global_batch_size} x "
+              f"{step_c.max_target_length}, 1 CPU device) consumes {consumed:,.0f} tokens/s")
+        print("| reader (batch 32 x 1024, one process, drained) | tokens/s per host | / step |\n|---|---|---|")
+        for name, keys in rows:
+            rate = drain(train.load_config(base + keys), args.seconds)
+            print(f"| {name} | {rate:,.0f} | {rate / consumed:,.0f}x |")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def test_splash_under_context_parallelism_trains_the_same(train_tiny, tmp_path_f
 
 def test_gradients_equal_the_unsharded_ones(tiny_config, documents):
     """One packed batch, load-balanced over context 4 x fsdp 2: every parameter's gradient as on one device
-    (of the summed loss, float32: within 1e-4 relative or 1e-5 absolute)."""
+    (of the summed loss, float32, gradients up to ~7: within 1e-4 relative or 5e-5 absolute, the summation
+    order's noise)."""
     def grads(devices, *mesh):
         c = tiny_config(*MODEL, *documents, "per_device_batch_size=1", *mesh, devices=devices)
         trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
@@ -91,7 +92,7 @@ def test_gradients_equal_the_unsharded_ones(tiny_config, documents):
     c, sharded, segments = grads(jax.devices(), *MESHES["context4xfsdp2"])
     assert c.mesh_shape["context"] == 4 and segments.max() >= 4  # several documents a row
     _, single, _ = grads(jax.devices()[:1], "per_device_batch_size=8")
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), sharded, single)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), sharded, single)
 
 
 @pytest.mark.parametrize("shards", [2, 4, 8])

@@ -106,9 +106,10 @@ def test_bad_data_files_name_the_file(capsys, tmp_path):
          f"data error: {tmp_path}/num.parquet: column 'text' (text_field) holds int64, not text"),
         (["dataset_type=array_record", f"train_files={tmp_path}/bin.array_record"],
          f"data error: {tmp_path}/bin.array_record: record 0 is not UTF-8 text"),
-        (["dataset_type=text", f"train_files={tmp_path}/empty.txt"], f"data error: {tmp_path}/empty.txt: no documents"),
+        (["dataset_type=text", f"train_files={tmp_path}/empty.txt"],
+         f"data error: {tmp_path}/empty.txt: no document has two tokens or more"),
         (["dataset_type=text", f"train_files={tmp_path}/letters.txt", "add_bos=false", "add_eos=false"],
-         f"data error: {tmp_path}/letters.txt: none of its 8 documents"),
+         f"data error: {tmp_path}/letters.txt: no document has two tokens or more (add_bos=False, add_eos=False)"),
         (["dataset_type=text", f"train_files={tmp_path}/short.txt", "num_epochs=1"],
          f"data error: {tmp_path}/short.txt: the data ends before the first batch"),
     ]
@@ -202,7 +203,7 @@ class Skipping(Poisoned):
 
 def stream(monkeypatch, wrapper, bad):
     make = data.make_iterators
-    monkeypatch.setattr(data, "make_iterators", lambda c, sharding: (wrapper(make(c, sharding)[0], bad), None))
+    monkeypatch.setattr(data, "make_iterators", lambda c, sharding, *_: (wrapper(make(c, sharding)[0], bad), None))
 
 
 def test_rollback_equals_a_run_that_skipped_those_batches(train_tiny, tmp_path, monkeypatch, capsys):

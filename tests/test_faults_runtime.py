@@ -257,7 +257,7 @@ def test_every_process_refusing_the_config_exits_2_with_its_line(tmp_path):
                           "num_epochs=1")
         for p in procs:
             _, err = p.communicate(timeout=120)
-            assert p.returncode == 2 and one_line(err).startswith("config error: num_epochs: 1: with several"), err
+            assert p.returncode == 2 and one_line(err).startswith("config error: num_epochs: 1: streamed files with several processes"), err
 
 
 def test_a_writer_made_again_within_the_second_keeps_the_first_events(tmp_path):

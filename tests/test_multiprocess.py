@@ -156,31 +156,71 @@ def test_sigterm_to_one_process_stops_both_at_one_saved_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_shares_that_end_at_different_batches(tmp_path, tiny_config):
-    """Process 0 reads the even (long) eval documents, process 1 the odd (short) ones, so process 1's
-    share ends first: it must pad until both are done, and the eval counts every token of both shares."""
-    from maxtrain.data import pipeline as data
-    from maxtrain.data.tokenizer import make_tokenizer
+def test_eval_rows_that_end_at_different_batches(tmp_path, train_tiny, capsys):
+    """Rows 0-3 (process 0) read the long eval documents, rows 4-7 (process 1) the short ones, so process
+    1's rows end first: it must pad until both are done, and the eval counts every token, as one process
+    reading all eight rows does."""
     eval_file = tmp_path / "eval.txt"
-    eval_file.write_text("\n\n".join(("long " * 60 if i % 2 == 0 else "short " * 12) for i in range(8)))
+    eval_file.write_text("\n\n".join(("long " * 60 if i % 8 < 4 else "short " * 12) for i in range(32)))
     text = ("dataset_type=text", "vocab_size=384", "max_target_length=16", f"train_files={SHAKESPEARE}",
-            f"eval_files={eval_file}")
-    proc = launch(tmp_path, "steps=2", "eval_interval=2", "eval_steps=1000", *text, *FSDP8_2P, timeout=300)
+            f"eval_files={eval_file}", "eval_interval=2", "eval_steps=1000")
+    proc = launch(tmp_path, "steps=2", *text, *FSDP8_2P, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("eval ")][0]
-    tokens = float(re.search(r"\| ([\d,]+) tokens \|", line).group(1).replace(",", ""))
-    c = tiny_config(*text)  # 8 devices: global batch 8, as the two processes' 2 x 4
-    docs = data.document_source(c, [str(eval_file)])
-    shares = [sum(float(b["weights"].sum()) for b in data.make_dataset(
-        c, docs, make_tokenizer(c), process_index=i, process_count=2, train=False)) for i in range(2)]
-    assert shares[0] > shares[1] > 0 and tokens == sum(shares)
+    capsys.readouterr()
+    train_tiny("run_name=single", "steps=2", "ici_fsdp_parallelism=8", *text)
+    single = capsys.readouterr().out
+
+    def tokens(out):
+        line = [x for x in out.splitlines() if x.startswith("eval ")][0]
+        return int(re.search(r"\| ([\d,]+) tokens \|", line).group(1).replace(",", ""))
+    # 16 long documents of 302 tokens (bos, 300 bytes, eos), 16 short of 74: each predicts all but its first
+    assert tokens(proc.stdout) == tokens(single) == 16 * 301 + 16 * 73
 
 
 @pytest.mark.slow
-def test_finite_epochs_with_several_processes_are_refused(tmp_path):
+def test_finite_epochs_of_streamed_files_with_several_processes_are_refused(tmp_path):
     proc = launch(tmp_path, "dataset_type=text", "vocab_size=384", f"train_files={SHAKESPEARE}", "num_epochs=1",
                   timeout=120)
     # Both processes leave with the one line (one that left first would make the other abort natively).
-    line = "config error: num_epochs: 1: with several processes use -1 (repeat) and end the run with steps"
+    line = ("config error: num_epochs: 1: streamed files with several processes end at different steps: use -1 "
+            "(repeat) and end the run with steps, or dataset_type=prepared (exact epochs)")
     assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr[-3000:]
     assert (tmp_path / "logs" / "process_1.log").read_text().strip() == line
+
+
+def checksums(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/batch_checksum"] for r in rows if "train/batch_checksum" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["prepared", "parquet"])
+def test_the_data_position_moves_between_process_counts(tmp_path, train_tiny, tiny_config, kind):
+    """Saved by 2 processes after 6 steps and resumed by 1 for 6 more, and saved by 1 and resumed by 2: the 12
+    global batches are those of an uninterrupted run, bitwise (each step's batch checksum)."""
+    import corpus
+    from maxtrain.data import prepare as prepare_lib
+    corpus.make(tmp_path / "corpus", 6, 60, formats=("parquet",))
+    if kind == "prepared":
+        prepare_lib.run(tiny_config(f"train_files={tmp_path}/corpus/*", f"prepared_dir={tmp_path}/tok"),
+                        say=lambda *_: None)
+        data = ("dataset_type=prepared", f"train_files={tmp_path}/tok")
+    else:
+        data = ("dataset_type=parquet", f"train_files={tmp_path}/corpus/*.parquet", "grain_shuffle_buffer_size=8")
+    common = (*data, "vocab_size=384", "learning_rate_schedule_steps=12", "enable_checkpointing=true",
+              "checkpoint_period=6")
+    straight = train_tiny("run_name=straight", "steps=12", *common, "ici_fsdp_parallelism=8")["losses"]
+    want = checksums(tmp_path / "straight")
+    assert len(want) == 12 and len(set(want)) == 12
+    # 2 -> 1
+    proc = launch(tmp_path, "run_name=a", "steps=6", *common, *FSDP8_2P)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = train_tiny("run_name=a", "steps=12", *common, "ici_fsdp_parallelism=8")
+    assert checksums(tmp_path / "a") == want
+    np.testing.assert_allclose(resumed["losses"], straight[6:], rtol=RTOL)
+    # 1 -> 2
+    train_tiny("run_name=b", "steps=6", *common, "ici_fsdp_parallelism=8")
+    proc = launch(tmp_path, "run_name=b", "steps=12", *common, *FSDP8_2P)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {tmp_path}/b/checkpoints/6" in proc.stdout
+    assert checksums(tmp_path / "b") == want

@@ -218,18 +218,27 @@ def test_generate_reads_a_checkpoint_on_gcs(gcs, tmp_path):
     assert len(generated) == 1 and len(json.loads(generated[0].removeprefix("generated ids: "))) == 4
 
 
-def test_parquet_from_gcs(gcs, tiny_config, tmp_path):
-    """A parquet file on the bucket reads as the same documents as the local file."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from maxtrain.data import pipeline as data
-    texts = ["first document", "second document", "third"]
-    pq.write_table(pa.table({"body": texts}), tmp_path / "a.parquet")
-    url = f"{gcs}/parquet/a.parquet"
-    storage.path(url).write_bytes((tmp_path / "a.parquet").read_bytes())
-    c = tiny_config("dataset_type=parquet", f"train_files={gcs}/parquet/*.parquet", "text_field=body")
-    docs = data.document_source(c, storage.glob(c.train_files, "train_files"))
-    assert [docs[i] for i in range(len(docs))] == texts
+def test_every_format_and_prepared_shards_from_gcs(gcs, tiny_config, tmp_path):
+    """Files on the bucket read as the same documents as local ones (text pieces by ranged reads); a corpus
+    prepared onto the bucket holds the same shards, and reads the same rows, as one prepared locally."""
+    import numpy as np
+    import corpus
+    from maxtrain.data import prepare as prepare_lib, sources
+    from maxtrain.data.prepared import Corpus
+    docs = corpus.paragraphs()[:30]
+    for fmt in ("jsonl", "jsonl.gz", "parquet", "txt"):
+        path = corpus.write(tmp_path / "d", docs, fmt)
+        storage.path(f"{gcs}/fmt/{path.name}").write_bytes(path.read_bytes())
+        pieces = sources.pieces([f"{gcs}/fmt/{path.name}"], "text", piece_bytes=1500)
+        assert len(pieces) > 1 or fmt in ("jsonl.gz", "parquet")
+        assert [d for p in pieces for d in sources.documents(p, "text")] == docs, fmt
+    manifests = [prepare_lib.run(tiny_config(f"train_files={gcs}/fmt/*", f"prepared_dir={where}", "prepare_workers=2"),
+                                 say=lambda *_: None) for where in (f"{gcs}/tok", str(tmp_path / "tok"))]
+    assert manifests[0] == manifests[1] and manifests[0]["documents"] == 120
+    remote, local = Corpus(f"{gcs}/tok"), Corpus(str(tmp_path / "tok"))
+    for w in (0, 7, local.windows(32) - 1):
+        for a, b in zip(remote.window(w, 32), local.window(w, 32)):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow

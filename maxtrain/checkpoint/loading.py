@@ -91,6 +91,21 @@ def load_full_state(c: Config, abstract_state):
     return state
 
 
+def load_data_position(c: Config, batches) -> None:
+    """load_full_state_path's data position, where it fits this config's data: the run goes on with the
+    batches that run would have seen next; data of another kind starts from its beginning, said once."""
+    p = step_directory(c.load_full_state_path, "load_full_state_path")
+    if not (p / "data").is_dir():
+        return
+    position = _read_json_item(p, "data", "load_full_state_path")
+    try:
+        batches.set_state(position)
+    except (ValueError, KeyError, TypeError) as e:
+        if jax.process_index() == 0:
+            print(f"note: {p}'s data position does not fit this config's data ({e}): the data starts from its "
+                  "beginning", flush=True)
+
+
 def load_parameters(c: Config, abstract_params):
     """Parameters only (from a full-state or a parameters-only checkpoint); optimizer starts fresh."""
     p = step_directory(c.load_parameters_path, "load_parameters_path")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from maxtrain.models import quantization
-from maxtrain.runtime.errors import UserError
+from maxtrain.runtime.errors import ConfigError  # noqa: F401 (its home is runtime.errors; imported from here too)
 
 MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")  # stage (the pipeline) outermost
 
@@ -33,7 +33,7 @@ MODEL_KEYS = (
 )
 # Keys that name files or directories: each may be a local path or a URL (maxtrain.runtime.storage).
 PATH_KEYS = ("prompt_file", "base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
-             "load_parameters_path")
+             "load_parameters_path", "prepared_dir")
 # Training settings a model carries with it (a preset, an HF config.json, a checkpoint's description: HF's
 # router_aux_loss_coef), which a fine-tune may change: never part of the model's shape.
 MODEL_TRAINING_KEYS = ("load_balance_loss_weight", "mtp_loss_scaling_factor")
@@ -44,7 +44,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "weight_dtype": DTYPES,
     "mu_dtype": DTYPES,
     "learning_rate_schedule": ("cosine", "linear", "constant"),
-    "dataset_type": ("synthetic", "text", "parquet", "array_record"),
+    "dataset_type": ("synthetic", "prepared", "text", "parquet", "array_record"),
     "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
     "attention": ("auto", "dot_product", "blockwise", "jax_nn", "splash"),
     "distributed_init": ("auto", "true", "false"),
@@ -63,7 +63,7 @@ POSITIVE_INTS = (
     "max_target_length", "gradient_accumulation_steps", "eval_steps", "compile_topology_num_slices",
     "distributed_heartbeat_timeout_seconds", "max_new_tokens", "profiler_start_step", "profiler_steps",
     "num_experts", "num_experts_per_tok", "ici_pipeline_parallelism", "dcn_pipeline_parallelism",
-    "generate_batch_size",
+    "generate_batch_size", "grain_shuffle_buffer_size",
 )
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
 METRICS_BACKENDS = ("tensorboard", "jsonl", "wandb")
@@ -106,10 +106,3 @@ UPPER_BOUNDS: dict[str, tuple[int, str]] = {
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-class ConfigError(UserError, ValueError):
-    """A user-fixable config problem; `str()` is the one line the CLI prints."""
-    kind = "config"
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key

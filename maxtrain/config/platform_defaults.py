@@ -1,10 +1,11 @@
-"""Platform defaults: the values `dtype=auto`, `attention=auto` and `loss_chunk_size` / `mlp_chunk_size=-1`
-take once the devices are known, so that the plain command is the fast, lean one on TPU, GPU and CPU. Each
-rule is stated in base.yml beside its key (the measurements behind them: benchmarks/README.md); an explicit
-value always wins."""
+"""Platform defaults: the values `dtype=auto`, `attention=auto`, `loss_chunk_size` / `mlp_chunk_size=-1`
+and `grain_worker_count=-1` take once the devices are known, so that the plain command is the fast, lean one
+on TPU, GPU and CPU. Each rule is stated in base.yml beside its key (the measurements behind them:
+benchmarks/README.md); an explicit value always wins."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from maxtrain.models import quantization
@@ -30,8 +31,22 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
     if c["scan_unroll"] == -1:
         c["scan_unroll"] = scan_unroll_for(platform, c["remat_policy"], c["base_num_decoder_layers"])
     auto_chunks(c)
-    return {k: c[k] for k in ("dtype", "attention", "moe_grouped_matmul", "scan_unroll", "loss_chunk_size",
-                              "mlp_chunk_size", "moe_chunk_size")}
+    chosen = {k: c[k] for k in ("dtype", "attention", "moe_grouped_matmul", "scan_unroll", "loss_chunk_size",
+                                "mlp_chunk_size", "moe_chunk_size")}
+    if c["grain_worker_count"] == -1 and c["dataset_type"] in STREAMED:  # the only data that has workers
+        chosen["grain_worker_count"] = data_workers_for(platform, os.cpu_count() or 1)
+    return chosen
+
+
+STREAMED = ("text", "parquet", "array_record")
+
+
+def data_workers_for(platform: str, cpus: int) -> int:
+    """grain_worker_count=-1: processes reading and tokenizing streamed files beside the step. On CPU the step
+    needs the cores (2 workers here: 1.5x the pipeline's own rate, taken from the step's cores); beside an
+    accelerator, one per 8 cores up to 8 (the HF and sentencepiece tokenizers use a thread's spare cores
+    themselves; the workers spread the reading and parsing)."""
+    return 0 if platform == "cpu" else max(1, min(8, cpus // 8))
 
 
 NARROW = 256  # widths below this are small enough that bfloat16 loses on CPU

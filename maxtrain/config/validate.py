@@ -84,12 +84,20 @@ def validate(c: dict[str, Any]) -> None:
             raise ConfigError(key, "must be a positive integer" if key == "checkpoint_period" else "must be >= 0")
     if not 0 <= c["eval_split_fraction"] < 1:
         raise ConfigError("eval_split_fraction", "must be in [0, 1)")
-    if c["eval_interval"] < 0 or c["grain_worker_count"] < 0:
-        raise ConfigError("eval_interval" if c["eval_interval"] < 0 else "grain_worker_count", "must be >= 0")
+    if c["eval_interval"] < 0:
+        raise ConfigError("eval_interval", "must be >= 0")
+    for key in ("grain_worker_count", "prepare_workers"):
+        if c[key] < -1 or (key == "prepare_workers" and c[key] == 0):
+            raise ConfigError(key, "must be -1 (auto) or " + ("positive" if key == "prepare_workers" else ">= 0"))
     if c["num_epochs"] == 0 or c["num_epochs"] < -1:
         raise ConfigError("num_epochs", "must be positive or -1 (repeat)")
     if c["dataset_type"] != "synthetic" and not c["train_files"]:
         raise ConfigError("train_files", f"dataset_type={c['dataset_type']} needs train_files (comma-separated globs)")
+    if c["dataset_type"] == "prepared":
+        for key in ("train_files", "eval_files"):
+            if "," in c[key] or any(ch in c[key] for ch in "*?["):
+                raise ConfigError(key, f"{c[key]!r}: dataset_type=prepared reads one directory, the prepared_dir "
+                                  "that python -m maxtrain.prepare wrote")
     for key in PATH_KEYS:  # URLs: a scheme that cannot be used is one line naming the key
         for value in c[key].split(",") if key.endswith("_files") else [c[key]]:
             storage.check(value.strip(), key)

@@ -1,42 +1,33 @@
-"""Input pipelines. Each yields global batches: dicts of [global_batch, max_target_length] arrays
-(inputs, targets, positions, segment_ids, weights) laid out with the config's batch sharding.
+"""Input pipelines. Each yields global batches: dicts of [global_batch, max_target_length] arrays (inputs,
+targets, positions, segment_ids, weights) laid out with the config's batch sharding.
 
-Real data: files -> documents -> this process's share -> shuffle (per epoch) -> tokenize ->
-pack (grain concat-then-split: documents continue into the next row, segment ids and per-document
-positions mark the boundaries) or pad -> batch -> global jax.Array. Iterators expose
-`get_state()` / `set_state()` (plain JSON) so checkpoints hold the exact data position.
+    synthetic                      made on the host, each row from its own seed
+    prepared  (maxtrain.data.prepared)   shards of token ids read by index, rows shuffled globally
+    text | parquet | array_record  (maxtrain.data.streamed)   files read as they are, tokenized on the fly
+
+Each process makes only its own rows of every global batch, on a thread, ahead of the step. What a step's
+global batch holds depends on the seed and the step alone, never on the number of processes; the position
+(get_state / set_state, plain JSON) is the whole run's, so a checkpoint saved by 2 processes resumes on 1
+or 4 and sees the batches an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
-from typing import TYPE_CHECKING
+import queue
+import threading
+import time
 
 import jax
 import numpy as np
 
-from maxtrain.runtime import storage
 from maxtrain.config.load import Config
-from maxtrain.config.keys import ConfigError
-from maxtrain.runtime.errors import UserError
+from maxtrain.data import rows as rows_lib, sources
+from maxtrain.data.rows import BATCH_DTYPES, BATCH_KEYS  # noqa: F401 (the batch's layout, for the step)
+from maxtrain.data.sources import DataError, DataReadError  # noqa: F401 (raised by the readers)
 from maxtrain.data.tokenizer import Tokenizer, make_tokenizer
-
-if TYPE_CHECKING:  # grain, and the orbax it imports, load only where file data needs them: faster synthetic starts
-    import grain
-
-
-class DataError(UserError, RuntimeError):
-    """A data file that is missing or unreadable; the message names the file."""
-    kind = "data"
-
-
-# A batch's [batch, length] arrays and their dtypes.
-BATCH_DTYPES = {"inputs": np.int32, "targets": np.int32, "positions": np.int32, "segment_ids": np.int32,
-                "weights": np.float32}
-BATCH_KEYS = tuple(BATCH_DTYPES)
-
+from maxtrain.observe.progress import counted
+from maxtrain.runtime.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # Synthetic data
@@ -71,6 +62,7 @@ def synthetic_batch(step: int, *, seed: int, batch: int, length: int, vocab: int
 
 class SyntheticIterator:
     """Makes each batch on the host, a shard at a time: no compile, and the step is its whole state."""
+    stats = None  # no input pipeline to measure
 
     def __init__(self, c: Config, batch_sharding):
         self._rows = functools.partial(synthetic_batch, seed=c.data_shuffle_seed, batch=c.global_batch_size,
@@ -104,275 +96,257 @@ class SyntheticIterator:
     def set_state(self, state: dict) -> None:
         self.step = int(state["step"])
 
+    def close(self) -> None:
+        pass
+
 
 # ---------------------------------------------------------------------------------------------
-# Documents from files
+# Batches: a reader on a thread -> global arrays
 
 
-def expand_files(patterns: str, key: str) -> list[str]:
-    """Comma-separated globs -> sorted file list (the same on every process)."""
-    files = []
-    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
-        matched = storage.glob(pattern, key)
-        if not matched:
-            raise ConfigError(key, f"no file matches {pattern!r}")
-        files.extend(matched)
-    if not files:
-        raise ConfigError(key, "is empty; name the files to read (comma-separated globs)")
-    return files
+class _Ahead:
+    """Runs an iterator on a daemon thread, `depth` items ahead; an exception is raised to the consumer.
+    `busy` and `tokens`: the thread's time inside the iterator and the rows' tokens it made, after the first."""
 
+    def __init__(self, it, depth: int, tokens_per_item: int):
+        self._it, self._final = it, None
+        self._q: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self.busy, self.tokens, self.items = 0.0, 0, 0
+        self._thread = threading.Thread(target=self._run, args=(it, tokens_per_item), daemon=True,
+                                        name="maxtrain-data")
+        self._thread.start()
 
-def _as_text(value, where: str, text_field: str) -> str:
-    """A document's text field, which must be a string (a number would fail later, inside grain)."""
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field {text_field!r} is {type(value).__name__}, not text")
-    return value
-
-
-def _read_text_file(path: str, text_field: str) -> list[str]:
-    try:
-        text = storage.path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read as UTF-8 text: {e}") from None
-    if path.endswith(".jsonl"):
-        docs = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
+    def _run(self, it, tokens_per_item: int) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
             try:
-                doc = json.loads(line)[text_field]
-            except (json.JSONDecodeError, TypeError):
-                raise DataError(f"{path}: line {number} is not a JSON object") from None
-            except KeyError:
-                raise DataError(f"{path}: line {number} has no field {text_field!r} (text_field)") from None
-            docs.append(_as_text(doc, f"{path}: line {number}", text_field))
-        return docs
-    # Plain text: documents are separated by blank lines.
-    return [d.strip("\n") for d in text.split("\n\n") if d.strip()]
+                item = (next(it), None)
+            except BaseException as e:  # StopIteration included: handed over, then the thread ends
+                item = (None, e)
+            if self.items:  # the first item's time is the reader's start-up, not its rate
+                self.busy += time.perf_counter() - t0
+                self.tokens += tokens_per_item
+            self.items += 1
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[1] is not None:
+                return
+
+    def __next__(self):
+        if self._final is not None:  # the thread has ended: say so again, never wait on it
+            raise self._final
+        item, error = self._q.get()
+        if error is not None:
+            self._final = error
+            raise error
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        getattr(self._it, "close", lambda: None)()  # worker processes, where the reader has them
 
 
-def _read_parquet(path: str, text_field: str) -> list[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    try:
-        table = pq.read_table(storage.path(path).open("rb") if storage.is_url(path) else path)
-    except Exception as e:  # pyarrow raises several types for malformed files
-        raise DataError(f"{path}: cannot read as parquet: {type(e).__name__}") from None
-    if text_field not in table.column_names:
-        raise DataError(f"{path}: no column {text_field!r} (text_field); columns: {table.column_names}")
-    column = table.column(text_field)
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise DataError(f"{path}: column {text_field!r} (text_field) holds {column.type}, not text")
-    if column.null_count:
-        raise DataError(f"{path}: column {text_field!r} (text_field) has {column.null_count} empty (null) rows")
-    return column.to_pylist()
+class Batches:
+    """A reader's rows of each global batch -> global jax.Arrays with the batch sharding, made `depth` batches
+    ahead on a thread. The position of the last batch handed out is what get_state() saves.
 
+    `pad_after_end`: once this process's rows end, yield batches of weight zero instead of stopping (an eval
+    pass over several processes, whose rows end at different batches: the caller stops at a batch whose
+    global token count is zero)."""
 
-class _ArrayRecordText:
-    """array_record records as text: UTF-8 bytes, or JSON objects with a text field."""
+    DEPTH = 4
 
-    def __init__(self, files: list[str], text_field: str):
-        for f in files:
-            if storage.is_url(f):  # array_record's reader opens local files only
-                raise DataError(f"{f}: array_record files must be on a local (or mounted) file system")
-            if not Path(f).is_file():
-                raise DataError(f"{f}: no such file")
-        import grain
-
-        try:
-            self._source = grain.sources.ArrayRecordDataSource(files)
-            len(self._source)
-        except Exception as e:
-            raise DataError(f"{', '.join(files)}: cannot open as array_record: {type(e).__name__}") from None
-        self._field, self._files = text_field, files
-
-    def __len__(self):
-        return len(self._source)
-
-    def __getitem__(self, index):
-        # Records are read lazily, in grain's threads: a bad one names the files and the record.
-        where = f"{', '.join(self._files)}: record {index}"
-        try:
-            record = self._source[index].decode("utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"{where} is not UTF-8 text") from None
-        if not record.startswith("{"):
-            return record
-        try:
-            text = json.loads(record)[self._field]
-        except (json.JSONDecodeError, TypeError, KeyError):
-            raise DataError(f"{where}: not a JSON object with a {self._field!r} field (text_field)") from None
-        return _as_text(text, where, self._field)
-
-
-def document_source(c: Config, files: list[str]):
-    """A random-access sequence of document strings."""
-    if c.dataset_type == "array_record":
-        return _ArrayRecordText(files, c.text_field)
-    read = _read_parquet if c.dataset_type == "parquet" else _read_text_file
-    docs = []
-    for f in files:
-        docs.extend(read(f, c.text_field))
-    return docs
-
-
-def split_documents(c: Config):
-    """(train documents, eval documents or None), following train/eval_files and eval_split_fraction."""
-    train = document_source(c, expand_files(c.train_files, "train_files"))
-    if c.eval_files:
-        return train, document_source(c, expand_files(c.eval_files, "eval_files"))
-    if c.eval_split_fraction > 0:
-        n_eval = max(1, int(len(train) * c.eval_split_fraction))
-        cut = len(train) - n_eval
-        import grain
-        return grain.MapDataset.source(train)[:cut], grain.MapDataset.source(train)[cut:]
-    return train, None
-
-
-# ---------------------------------------------------------------------------------------------
-# The grain pipeline
-
-
-def _to_features(tokens: np.ndarray) -> dict:
-    """One document's tokens -> next-token inputs/targets, shifted inside the document."""
-    return {"inputs": tokens[:-1], "targets": tokens[1:]}
-
-
-def _pad(features: dict, length: int) -> dict:
-    """packing=false: one document per row, truncated or zero-padded to `length`."""
-    out = {}
-    n = min(len(features["inputs"]), length)
-    for name in ("inputs", "targets"):
-        row = np.zeros(length, np.int32)
-        row[:n] = features[name][:n]
-        out[name] = row
-    out["inputs_segment_ids"] = (np.arange(length) < n).astype(np.int32)
-    out["inputs_positions"] = np.where(out["inputs_segment_ids"], np.arange(length), 0).astype(np.int32)
-    out["targets_segment_ids"] = out["inputs_segment_ids"]
-    return out
-
-
-def _to_batch(packed: dict) -> dict:
-    return {
-        "inputs": packed["inputs"].astype(np.int32),
-        "targets": packed["targets"].astype(np.int32),
-        "positions": packed["inputs_positions"].astype(np.int32),
-        "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
-        # Padding (segment 0) is masked out of the loss; targets never cross documents because
-        # each document was shifted on its own before packing.
-        "weights": (packed["targets_segment_ids"] != 0).astype(np.float32),
-    }
-
-
-def make_dataset(c: Config, documents, tokenizer: Tokenizer, *, process_index: int, process_count: int,
-                 train: bool) -> grain.IterDataset:
-    """This process's batches (numpy), [global_batch / process_count, max_target_length] each."""
-    import grain
-    from grain import experimental as grain_exp
-    ds = grain.MapDataset.source(documents)
-    ds = ds[process_index::process_count]  # disjoint shares, by document
-    if train:
-        ds = ds.shuffle(seed=c.data_shuffle_seed + process_index)
-        ds = ds.repeat(None if c.num_epochs == -1 else c.num_epochs)  # reshuffled every epoch
-    ds = ds.map(lambda text: _to_features(tokenizer.encode(text)))
-    ds = ds.filter(lambda f: len(f["inputs"]) > 0)
-    length = c.max_target_length
-    if c.packing:
-        ds = grain_exp.ConcatThenSplitIterDataset(ds.to_iter_dataset(),
-                                                  length_struct={"inputs": length, "targets": length})
-    else:
-        ds = ds.map(functools.partial(_pad, length=length)).to_iter_dataset()
-    ds = ds.batch(c.global_batch_size // process_count, drop_remainder=True).map(_to_batch)
-    if c.grain_worker_count > 0:
-        from absl import flags  # grain's workers read absl flags; we never parse argv with absl
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=c.grain_worker_count))
-    else:
-        ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
-    return ds
-
-
-class GrainIterator:
-    """Turns each process's numpy batches into global jax.Arrays with the batch sharding.
-
-    `pad_after_end`: once this process's share is used up, yield batches of weight zero instead of
-    stopping. With several processes the shares end at different batches, and a process that stopped
-    would leave the others waiting in the step's collectives; the caller stops when a batch's global
-    token count is zero (evaluate() in train.py).
-    """
-
-    def __init__(self, dataset: grain.IterDataset, c: Config, batch_sharding, pad_after_end: bool = False):
-        self._iter = iter(dataset)
-        self._sharding = batch_sharding
+    def __init__(self, reader, c: Config, batch_sharding, pad_after_end: bool = False):
+        self.reader, self._sharding, self._pad_after_end = reader, batch_sharding, pad_after_end
         self._shape = (c.global_batch_size, c.max_target_length)
-        _, shares, self._columns = host_region(batch_sharding, self._shape)
-        self._local_shape = (c.global_batch_size // shares, self._columns.stop - self._columns.start)
-        self._pad_after_end = pad_after_end
+        _, _, self._columns = host_region(batch_sharding, self._shape)
+        self._local_rows = len(reader.lanes)
+        self._tokens_per_batch = self._local_rows * c.max_target_length
+        self.waited = 0.0  # time __next__ spent waiting for the reader
+        self._position = reader.initial()
+        self._ahead = None
+        self._primed, self._ended = None, False
+        self._start()
+
+    def _start(self) -> None:
+        self._ahead = _Ahead(self.reader.open(self._position), self.DEPTH, self._tokens_per_batch)
+
+    def prime(self) -> None:
+        """Makes the first batch now (bad input is found before the run starts, exit 2)."""
+        try:
+            self._primed = next(self._ahead)
+        except StopIteration:
+            self._primed = StopIteration
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
+    def _next_local(self):
+        if self._ended:
+            raise StopIteration
+        if self._primed is not None:
+            item, self._primed = self._primed, None
+            if item is StopIteration:  # the data ended before its first batch
+                self._ended = True
+                raise StopIteration
+            return item
         try:
-            local = next(self._iter)
+            return next(self._ahead)
+        except StopIteration:
+            self._ended = True  # the reading thread has ended: never wait on it again
+            raise
+
+    def __next__(self) -> dict:
+        t0 = time.perf_counter()
+        try:
+            local, self._position = self._next_local()
         except StopIteration:
             if not self._pad_after_end:
                 raise
-            local = {k: np.zeros(self._local_shape, dtype) for k, dtype in BATCH_DTYPES.items()}
+            local = rows_lib.padding(self._local_rows, self._shape[1])
+        except DataError as e:  # a file that became unreadable: the run stops, its checkpoints stay
+            raise e if isinstance(e, DataReadError) else DataReadError(str(e)) from None
+        finally:
+            self.waited += time.perf_counter() - t0
         return {k: jax.make_array_from_process_local_data(self._sharding, v[:, self._columns], self._shape)
                 for k, v in local.items()}
 
     def skip(self, n: int) -> None:
         """Drops the next n batches on the host (a rollback past the batches that led to a spike)."""
         for _ in range(n):
-            next(self._iter, None)
+            try:
+                _, self._position = self._next_local()
+            except StopIteration:
+                return
 
     def get_state(self) -> dict:
-        return self._iter.get_state()
+        return self.reader.global_state(self._position)
 
     def set_state(self, state: dict) -> None:
-        self._iter.set_state(state)
+        position = self.reader.position(state)
+        self.close()
+        self._position, self._primed, self._ended = position, None, False
+        self._start()
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+
+    @property
+    def stats(self) -> tuple[float, int, float]:
+        """(seconds the reader worked, tokens it made, seconds the consumer waited)."""
+        return self._ahead.busy, self._ahead.tokens, self.waited
 
 
 def host_region(batch_sharding, shape) -> tuple[int, int, slice]:
     """This process's part of every [global batch, length] array: (the index of its share of the rows,
     the number of shares, its columns). Processes that split rows' positions between them (the context
-    axis across hosts) share rows: they read the same documents and each keeps its own columns."""
+    axis across hosts) share rows: they read the same rows and each keeps its own columns."""
     spans = [(i[0].indices(shape[0])[:2], i[1].indices(shape[1])[:2])
              for i in batch_sharding.addressable_devices_indices_map(shape).values()]
     (r0, r1), (c0, c1) = [(min(s[d][0] for s in spans), max(s[d][1] for s in spans)) for d in (0, 1)]
     return r0 // (r1 - r0), shape[0] // (r1 - r0), slice(c0, c1)
 
 
-def check_usable(documents, tokenizer: Tokenizer, c: Config, share_index: int = 0, shares: int = 1) -> None:
-    """This process's share must hold a document with a token to predict: otherwise the pipeline, which
-    drops empty documents and repeats, would search forever. Stops at the first usable document."""
-    share = range(share_index, len(documents), shares)
-    for i in share:
-        if len(tokenizer.encode(documents[i])) >= 2:
-            return
-    whose = f" for share {share_index} of {shares}" if shares > 1 else ""
-    if not len(share):
-        raise DataError(f"{c.train_files}: no documents{whose}: nothing to train on")
-    raise DataError(f"{c.train_files}: none of its {len(share)} documents{whose} has two tokens or more "
-                    f"(add_bos={c.add_bos}, add_eos={c.add_eos}): nothing to train on")
+# ---------------------------------------------------------------------------------------------
+# The config's pipelines
 
 
-def make_iterators(c: Config, batch_sharding):
-    """(train iterator, factory of fresh eval iterators or None)."""
+def _check_tokenizer(corpus, tokenizer: Tokenizer, key: str) -> None:
+    def describe(t: dict) -> str:
+        file = f", file sha256 {t['sha256'][:12]}" if t.get("sha256") else ""
+        return f"{t['type']} (vocab {t['vocab_size']}{file}, bos {t['bos_id']}, eos {t['eos_id']})"
+    if corpus.tokenizer != tokenizer.identity():
+        raise ConfigError(key, f"{corpus.directory} was prepared with the tokenizer {describe(corpus.tokenizer)}, "
+                          f"this config's is {describe(tokenizer.identity())}: set tokenizer_type, tokenizer_path, "
+                          "add_bos and add_eos as when it was prepared")
+
+
+def _prepared(c: Config, tokenizer: Tokenizer, lanes: range):
+    from maxtrain.data.prepared import Corpus, PreparedReader
+    corpus = Corpus(c.train_files)
+    _check_tokenizer(corpus, tokenizer, "train_files")
+    n = corpus.windows(c.max_target_length) if c.packing else corpus.documents
+    if n == 0:
+        raise DataError(f"{corpus.directory}: {corpus.tokens} tokens, not one row of {c.max_target_length + 1}")
+    held = max(1, int(n * c.eval_split_fraction)) if c.eval_split_fraction and not c.eval_files else 0
+    train = PreparedReader(corpus, c, lanes, 0, n - held, train=True)
+    unit = "rows" if c.packing else "documents"
+    lines = [f"data: prepared {corpus.describe()}; {n - held:,} {unit} of {c.max_target_length} tokens shuffled "
+             f"globally by index (data_shuffle_seed={c.data_shuffle_seed})"]
+    if c.eval_files:
+        eval_corpus = Corpus(c.eval_files)
+        _check_tokenizer(eval_corpus, tokenizer, "eval_files")
+        count = eval_corpus.windows(c.max_target_length) if c.packing else eval_corpus.documents
+        evaluation = PreparedReader(eval_corpus, c, lanes, 0, count, train=False)
+        lines.append(f"data (eval): prepared {eval_corpus.describe()}")
+    elif held:
+        evaluation = PreparedReader(corpus, c, lanes, n - held, held, train=False)
+        lines.append(f"data (eval): the last {held:,} {unit} (eval_split_fraction={c.eval_split_fraction})")
+    else:
+        evaluation = None
+    return train, evaluation, lines
+
+
+def _streamed(c: Config, tokenizer: Tokenizer, lanes: range):
+    from maxtrain.data.streamed import Stream, StreamedReader
+    files = sources.expand(c.train_files, "train_files")
+    pieces = tuple(sources.pieces(files, c.dataset_type))
+    if sources.first_document(files, c.dataset_type, c.text_field, lambda t: len(tokenizer.encode(t)) >= 2) is None:
+        raise DataError(f"{c.train_files}: no document has two tokens or more (add_bos={c.add_bos}, "
+                        f"add_eos={c.add_eos}): nothing to train on")
+    common = dict(rows=c.global_batch_size, length=c.max_target_length, seed=c.data_shuffle_seed,
+                  window=c.grain_shuffle_buffer_size, packing=c.packing, text_field=c.text_field, tokenizer=tokenizer)
+    held = c.eval_split_fraction if not c.eval_files else 0.0
+    stream = Stream(pieces, shuffle=True, epochs=c.num_epochs, holdout=held, **common)
+    lines = [f"data: streamed {counted(len(files), 'file')} ({counted(len(pieces), 'piece')}), each row of the "
+             "batch reading its own share; file order shuffled every epoch, documents in windows of "
+             f"grain_shuffle_buffer_size={c.grain_shuffle_buffer_size} (data_shuffle_seed={c.data_shuffle_seed})"]
+    workers = max(c.grain_worker_count, 0)  # -1 is resolved by the platform defaults
+    train = StreamedReader(stream, lanes, "any", workers)
+    if workers:
+        lines[0] += f"; {workers} worker processes read this host's rows"
+    if c.eval_files:
+        eval_files = sources.expand(c.eval_files, "eval_files")
+        eval_stream = Stream(tuple(sources.pieces(eval_files, c.dataset_type)), shuffle=False, epochs=1, **common)
+        lines.append(f"data (eval): streamed {counted(len(eval_files), 'file')}")
+    elif held:
+        eval_stream = Stream(pieces, shuffle=False, epochs=1, holdout=held, eval_side=True, **common)
+        lines.append(f"data (eval): the documents a hash of their place holds out (eval_split_fraction={held})")
+    else:
+        return train, None, lines
+    return train, StreamedReader(eval_stream, lanes, "all"), lines
+
+
+def make_iterators(c: Config, batch_sharding, say=None):
+    """(train batches, factory of fresh eval batches or None). Each reads its first batch before returning:
+    a bad file or tokenizer is one line and exit 2 before anything is written."""
     if c.dataset_type == "synthetic":
         return SyntheticIterator(c, batch_sharding), None
     tokenizer = make_tokenizer(c)
-    train_docs, eval_docs = split_documents(c)
-    share_index, shares, _ = host_region(batch_sharding, (c.global_batch_size, c.max_target_length))
-    check_usable(train_docs, tokenizer, c, share_index, shares)
-    where = dict(process_index=share_index, process_count=shares)  # processes sharing rows read alike
-    train_iter = GrainIterator(make_dataset(c, train_docs, tokenizer, train=True, **where), c, batch_sharding)
-    if eval_docs is None:
-        return train_iter, None
-    return train_iter, lambda: GrainIterator(make_dataset(c, eval_docs, tokenizer, train=False, **where), c,
-                                             batch_sharding, pad_after_end=jax.process_count() > 1)
+    share, shares, _ = host_region(batch_sharding, (c.global_batch_size, c.max_target_length))
+    per_share = c.global_batch_size // shares
+    lanes = range(share * per_share, (share + 1) * per_share)  # processes that share rows read alike
+    make = _prepared if c.dataset_type == "prepared" else _streamed
+    train_reader, eval_reader, lines = make(c, tokenizer, lanes)
+    for line in lines:
+        (say or (lambda *_: None))(line)
+    batches = Batches(train_reader, c, batch_sharding)
+    batches.prime()
+    if eval_reader is None:
+        return batches, None
+
+    def make_eval():
+        return Batches(eval_reader, c, batch_sharding, pad_after_end=jax.process_count() > 1)
+    first = make_eval()
+    first.prime()  # the eval files are checked now too
+    first.close()
+    return batches, make_eval
 
 
 def make_iterator(c: Config, batch_sharding):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from maxtrain.runtime import storage
-from maxtrain.config.load import Config
-from maxtrain.config.keys import ConfigError
+from maxtrain.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from maxtrain.config.load import Config
 
 
 class Tokenizer:
@@ -14,11 +19,29 @@ class Tokenizer:
     bos_id: int | None
     eos_id: int | None
 
+    kind = "byte"
+    file_sha256 = ""  # the tokenizer file's, for tokenizers read from one
+
     def __init__(self, add_bos: bool, add_eos: bool):
         self.add_bos, self.add_eos = add_bos, add_eos
 
     def _encode(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self._encode(t) for t in texts]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Many documents at once: the HF and sentencepiece tokenizers encode them on all cores."""
+        head = [self.bos_id] if self.add_bos and self.bos_id is not None else []
+        tail = [self.eos_id] if self.add_eos and self.eos_id is not None else []
+        return [np.asarray([*head, *ids, *tail], np.int32) for ids in self._encode_batch(texts)]
+
+    def identity(self) -> dict:
+        """What makes two tokenizers give the same ids: prepared data records it, and a run on that data must
+        match it (the file's checksum, not its path: a copy elsewhere is the same tokenizer)."""
+        return {"type": self.kind, "sha256": self.file_sha256, "vocab_size": self.vocab_size,
+                "bos_id": self.bos_id if self.add_bos else None, "eos_id": self.eos_id if self.add_eos else None}
 
     def decode(self, ids) -> str:
         raise NotImplementedError
@@ -41,6 +64,12 @@ class ByteTokenizer(Tokenizer):
     def _encode(self, text):
         return (np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + self.OFFSET).tolist()
 
+    def encode_batch(self, texts):
+        head = [self.bos_id] if self.add_bos else []
+        tail = [self.eos_id] if self.add_eos else []
+        return [np.concatenate([head, np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) + self.OFFSET,
+                                tail]).astype(np.int32) for t in texts]
+
     def decode(self, ids):
         # ids past the 256 bytes (a model's vocabulary larger than this tokenizer's) stand for no text
         data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.vocab_size)
@@ -48,17 +77,18 @@ class ByteTokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
+    kind = "sentencepiece"
+
     def __init__(self, path: str, add_bos: bool, add_eos: bool):
         super().__init__(add_bos, add_eos)
         import sentencepiece
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
-            if storage.is_url(path):  # sentencepiece reads local files; a URL's bytes are read here
-                self._sp.LoadFromSerializedProto(storage.path(path).read_bytes())
-            else:
-                self._sp.Load(path)
+            model = storage.path(path).read_bytes()  # sentencepiece reads local files; the bytes work for URLs too
+            self._sp.LoadFromSerializedProto(model)
         except (OSError, RuntimeError):
             raise ConfigError("tokenizer_path", f"{path}: cannot load as a sentencepiece model") from None
+        self.file_sha256 = hashlib.sha256(model).hexdigest()
         self.vocab_size = self._sp.GetPieceSize()
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
@@ -66,21 +96,25 @@ class SentencePieceTokenizer(Tokenizer):
     def _encode(self, text):
         return self._sp.EncodeAsIds(text)
 
+    def _encode_batch(self, texts):
+        return self._sp.Encode(texts, out_type=int, num_threads=-1)
+
     def decode(self, ids):
         return self._sp.DecodeIds([int(i) for i in ids])
 
 
 class HuggingFaceTokenizer(Tokenizer):
+    kind = "huggingface"
+
     def __init__(self, path: str, add_bos: bool, add_eos: bool, bos_token: str, eos_token: str):
         super().__init__(add_bos, add_eos)
         import tokenizers
         try:
-            if storage.is_url(path):  # tokenizers reads local files; a URL's text is read here
-                self._tok = tokenizers.Tokenizer.from_str(storage.path(path).read_text(encoding="utf-8"))
-            else:
-                self._tok = tokenizers.Tokenizer.from_file(path)
+            text = storage.path(path).read_bytes()  # tokenizers reads local files; the text works for URLs too
+            self._tok = tokenizers.Tokenizer.from_str(text.decode("utf-8"))
         except Exception:  # the Rust side raises a bare Exception for unparseable files
             raise ConfigError("tokenizer_path", f"{path}: cannot load as a HuggingFace tokenizer.json") from None
+        self.file_sha256 = hashlib.sha256(text).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._token_id("hf_bos_token", bos_token, path)
         self.eos_id = self._token_id("hf_eos_token", eos_token, path)
@@ -98,6 +132,9 @@ class HuggingFaceTokenizer(Tokenizer):
     def _encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def _encode_batch(self, texts):
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids):
         return self._tok.decode([int(i) for i in ids])
 
@@ -105,7 +142,8 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tok.id_to_token(token_id)
 
 
-def make_tokenizer(c: Config) -> Tokenizer:
+def make_tokenizer(c: Config, check_vocab: bool = True) -> Tokenizer:
+    """The configured tokenizer; `check_vocab`: refuse one larger than the model's vocab_size."""
     if c.tokenizer_type == "byte":
         tok = ByteTokenizer(c.add_bos, c.add_eos)
     else:
@@ -116,7 +154,7 @@ def make_tokenizer(c: Config) -> Tokenizer:
             tok = SentencePieceTokenizer(c.tokenizer_path, c.add_bos, c.add_eos)
         else:
             tok = HuggingFaceTokenizer(c.tokenizer_path, c.add_bos, c.add_eos, c.hf_bos_token, c.hf_eos_token)
-    if tok.vocab_size > c.vocab_size:
+    if check_vocab and tok.vocab_size > c.vocab_size:
         raise ConfigError("vocab_size", f"{c.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tok.vocab_size}); set vocab_size >= {tok.vocab_size}")
     return tok

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from maxtrain.observe import summary
-from maxtrain.data.pipeline import BATCH_DTYPES
+from maxtrain.data.rows import BATCH_DTYPES
 from maxtrain.runtime.errors import UserError
 
 GiB = 1024**3

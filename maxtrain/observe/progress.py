@@ -11,6 +11,11 @@ import jax
 HEARTBEAT_SECONDS = 30.0  # a line at least this often while a long phase runs
 
 
+def counted(n: int, what: str) -> str:
+    """`1 file`, `1,024 files`."""
+    return f"{n:,} {what}{'s' * (n != 1)}"
+
+
 def duration(seconds: float) -> str:
     """`45s`, `1m 05s`, `2h 03m`."""
     s = max(int(seconds), 0)  # elapsed time: whole seconds passed

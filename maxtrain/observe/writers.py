@@ -159,6 +159,9 @@ class _WandbRun:
         self._run.finish(exit_code=exit_code)  # not 0: W&B marks the run failed
 
 
+JSONL_ONLY = {"batch_checksum"}  # a fingerprint, not a curve: metrics.jsonl only
+
+
 class MetricsWriter:
     """The run's metrics files under its directory, through the backends named (process 0 only).
 
@@ -235,7 +238,8 @@ class MetricsWriter:
         for k, v in scalars.items():
             values = {k: v} if not isinstance(v, list) else {
                 f"{k}/layer_{i}/expert_{e}": x for i, layer in enumerate(v) for e, x in enumerate(layer)}
-            flat.update({f"{prefix}/{name}": x for name, x in values.items() if math.isfinite(x)})
+            flat.update({f"{prefix}/{name}": x for name, x in values.items()
+                         if math.isfinite(x) and name not in JSONL_ONLY})
         try:
             if self._jsonl:
                 self._at = self._jsonl.name

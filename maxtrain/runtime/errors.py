@@ -14,6 +14,15 @@ class UserError(Exception):
     exit_code = 2
 
 
+class ConfigError(UserError, ValueError):
+    """A user-fixable config problem; `str()` is the one line the CLI prints."""
+    kind = "config"
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
 class RunError(UserError):
     """A run stopped for cause (a non-finite loss, a failed save): one line, exit code 1, no traceback."""
     kind = "run"

@@ -51,6 +51,7 @@ class TrainLoop:
         self.saved_step = self.evaluated_step = None
         self.preempted = self.exhausted = self.rolled_back = False
         self.history, self.eval_history = [], []
+        self.data_watch = DataWatch(batches, c)
 
     def run(self) -> dict:
         """Trains; returns per-step losses and the final state."""
@@ -181,7 +182,7 @@ class TrainLoop:
         if note:
             say(note)
         m.update(step_seconds=seconds, tokens_per_second=self.tokens_per_step / seconds, tflops_per_device=tflops,
-                 **({"mfu": mfu} if mfu is not None else {}))
+                 **({"mfu": mfu} if mfu is not None else {}), **self.data_watch.read(now, first, seconds))
         say(metrics_lib.format_line(step_done, c.steps, m, self.eta(step_done)))
         self.writer.write(step_done, m)
         return self.guard.on_bad_step(step_done, self.last_trusted()) if bad else None
@@ -259,6 +260,7 @@ class TrainLoop:
         the final save must not cut it short), the metric files closed (after a failure quietly, the W&B run
         marked failed). A run stopped for cause or by bad data lets the saves under way finish (they hold
         good states) and leaves no run directory it made and did not use."""
+        getattr(self.batches, "close", lambda: None)()  # its reading thread
         if self.profiler is not None:
             self.profiler.abandon()  # a failure inside the traced steps
         if self.preemption is not None:
@@ -296,3 +298,38 @@ class TrainLoop:
             return {"losses": history, "state": state}
         say(f"done: {last} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}{skipped}; outputs in {self.run_dir}")
         return {"losses": history, "state": state, "eval_losses": self.eval_history, "nonfinite_steps": count}
+
+
+class DataWatch:
+    """How the input pipeline keeps up: its own rate, said once early, and at every logged step the share of
+    the time the step loop waited for a batch (`data_wait_fraction`), with a warning when it is large."""
+
+    WARN_FRACTION, WARN_EVERY_SECONDS = 0.1, 300.0
+
+    def __init__(self, batches, c: config_lib.Config):
+        self.batches, self.c = batches, c
+        self.told_rate = False
+        self.last_waited = self.last_time = self.last_warned = None
+
+    def read(self, now: float, first: bool, step_seconds: float) -> dict:
+        stats = getattr(self.batches, "stats", None)
+        if stats is None:  # synthetic data: nothing read
+            return {}
+        busy, tokens, waited = stats
+        if self.last_time is None or first:
+            self.last_waited, self.last_time = waited, now
+            return {}
+        fraction = min(1.0, (waited - self.last_waited) / max(now - self.last_time, 1e-9))
+        self.last_waited, self.last_time = waited, now
+        consumed = self.c.global_batch_size * self.c.max_target_length / jax.process_count() / step_seconds
+        if not self.told_rate and busy > 0:
+            self.told_rate = True
+            say(f"input pipeline: {tokens / busy:,.0f} tokens/s per host on its own; the step consumes "
+                f"{consumed:,.0f} tokens/s per host")
+        if fraction >= self.WARN_FRACTION and (self.last_warned is None or
+                                               now - self.last_warned >= self.WARN_EVERY_SECONDS):
+            self.last_warned = now
+            say(f"warning: the step waited for data {100 * fraction:.0f}% of the time since the last log line "
+                f"(the input pipeline makes {tokens / max(busy, 1e-9):,.0f} tokens/s per host, the step consumes "
+                f"{consumed:,.0f}); more grain_worker_count, or dataset_type=prepared, would help")
+        return {"data_wait_fraction": fraction}

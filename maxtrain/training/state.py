@@ -21,7 +21,9 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
     if c.load_full_state_path:
         from maxtrain.checkpoint import loading as ckpt_loading  # orbax loads only where needed: see TrainLoop.run
         say(f"loading full state from {c.load_full_state_path}")
-        return trainer.to_run(ckpt_loading.load_full_state(c, trainer.abstract_state))
+        state = trainer.to_run(ckpt_loading.load_full_state(c, trainer.abstract_state))
+        ckpt_loading.load_data_position(c, batches)
+        return state
     init = trainer.init.lower(jax.random.key(c.init_weights_seed)).compile()
     fit.check_compiled(init, trainer.mesh, "initializing the state")  # its temporaries can exceed the state's size
     state = init(jax.random.key(c.init_weights_seed))

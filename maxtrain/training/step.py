@@ -24,7 +24,8 @@ from maxtrain.training import loss
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.models import moe, mtp, quantization
 from maxtrain.config.load import Config
-from maxtrain.data.pipeline import BATCH_DTYPES
+from maxtrain.data import rows
+from maxtrain.data.rows import BATCH_DTYPES
 from maxtrain.models.decoder import Decoder
 from maxtrain.models import registry
 from maxtrain.training.optimizer import learning_rate_schedule, make_optimizer
@@ -230,6 +231,7 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
     balance = load_balancer(c)
 
     def step(state: TrainState, batch: dict):
+        checksum = rows.checksum(batch, jnp)  # of the batch as the data pipeline made it
         batch = balance(mtp.shifted(batch, c.mtp_num_layers))  # the depths' targets, shifted in sequence order
         tokens = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
         if accum == 1:
@@ -256,7 +258,7 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
             return params, opt_state
         params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
-                   "tokens": aux["tokens"], "nonfinite": 1.0 - finite.astype(jnp.float32)}
+                   "tokens": aux["tokens"], "nonfinite": 1.0 - finite.astype(jnp.float32), "batch_checksum": checksum}
         if "mtp_loss_sum" in aux:  # the depths' mean cross-entropy over their targets
             metrics["mtp_loss"] = aux["mtp_loss_sum"] / jnp.maximum(aux["mtp_tokens"], 1.0)
         if moe_layers is not None:  # per MoE layer, each expert's share of the routed assignments

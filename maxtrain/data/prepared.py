@@ -1,0 +1,238 @@
+"""Prepared data: a corpus tokenized once (python -m maxtrain.prepare) into shards of token ids, read by
+index. The layout, local or on a bucket:
+
+    DIR/manifest.json            tokenizer identity, dtype, per shard: source, documents, tokens, sha256
+    DIR/shards/NNNNN.tokens      the shard's token ids, little-endian uint16 (vocab <= 65536) or uint32
+    DIR/shards/NNNNN.docs        int64 offsets of its documents' first tokens, and its token count last
+    DIR/tokenizer.json|.model    a copy of the tokenizer that made it
+
+Why flat token files rather than ArrayRecord: a row is a window of consecutive tokens that crosses
+documents, so a flat array reads it in one slice (a memory map locally, one ranged read on a bucket), with
+no per-record framing; ArrayRecord's records would be documents (a row would gather many), and its reader
+opens local files only. numpy reads the files; grain shuffles and reads them by index.
+
+The corpus is one token stream (shards in order, documents in order). With packing, row w of an epoch is
+tokens [w*L, w*L + L] of it, rows shuffled globally by index; without, row d is document d, truncated.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+
+from maxtrain.data import rows as rows_lib
+from maxtrain.data.sources import DataError, DataReadError
+from maxtrain.runtime import storage
+
+FORMAT, VERSION = "maxtrain-prepared", 1
+MANIFEST = "manifest.json"
+
+
+def token_dtype(vocab_size: int):
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def shard_paths(directory, name: str) -> tuple:
+    base = storage.path(directory) / "shards"
+    return base / f"{name}.tokens", base / f"{name}.docs"
+
+
+class Corpus:
+    """A prepared directory, checked at open (its manifest, and each shard's size against it, from one
+    listing); shards are opened when a row first needs them."""
+
+    def __init__(self, directory: str):
+        self.directory = str(directory).rstrip("/")
+        root = storage.path(self.directory, "train_files")
+        try:
+            text = (root / MANIFEST).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            started = (root / "shards").exists()
+            raise DataError(f"{self.directory}: no {MANIFEST}: " + (
+                "maxtrain.prepare did not finish here; run it again to complete it" if started else
+                "not a prepared directory (python -m maxtrain.prepare makes one)")) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{self.directory}/{MANIFEST}: cannot read: {storage.error_text(e)}") from None
+        try:
+            m = json.loads(text)
+            assert m["format"] == FORMAT and m["version"] == VERSION
+            self.tokenizer = dict(m["tokenizer"])
+            self.dtype = np.dtype(m["dtype"])
+            self.names = [s["name"] for s in m["shards"]]
+            self.shard_tokens = np.array([int(s["tokens"]) for s in m["shards"]], np.int64)
+            self.shard_docs = np.array([int(s["documents"]) for s in m["shards"]], np.int64)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise DataError(f"{self.directory}/{MANIFEST}: not a manifest maxtrain.prepare wrote "
+                            f"({FORMAT} version {VERSION})") from None
+        self.manifest = m
+        self.vocab_size = int(self.tokenizer["vocab_size"])
+        self.token_start = np.concatenate([[0], np.cumsum(self.shard_tokens)])
+        self.doc_start = np.concatenate([[0], np.cumsum(self.shard_docs)])
+        self.tokens, self.documents = int(self.token_start[-1]), int(self.doc_start[-1])
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        listed = listing(self.directory)
+        for name, tokens, docs in zip(self.names, self.shard_tokens, self.shard_docs):
+            for path, want in zip(shard_paths(self.directory, name), (tokens * self.dtype.itemsize, (docs + 1) * 8)):
+                got = listed.get(path.name)
+                if got is None:
+                    raise DataError(f"{path}: missing (the manifest lists it); run maxtrain.prepare again")
+                if got != want:
+                    raise DataError(f"{path}: {got} bytes where the manifest says {want}: the shard is damaged "
+                                    "or incomplete; run maxtrain.prepare again")
+
+    def describe(self) -> str:
+        return (f"{self.directory}: {self.tokens:,} tokens in {self.documents:,} documents, "
+                f"{len(self.names)} shards")
+
+    # ---- reading
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (one corpus per run: the cache lives as long as it)
+    def _shard(self, s: int):
+        """(tokens, document offsets) of shard s: memory maps, or a reader of ranges on a bucket."""
+        tokens_path, docs_path = shard_paths(self.directory, self.names[s])
+        try:
+            if storage.is_url(self.directory):
+                offsets = np.frombuffer(docs_path.read_bytes(), "<i8")
+                tokens = _Ranged(str(tokens_path), self.dtype)
+            else:
+                offsets = np.memmap(docs_path, "<i8", mode="r")
+                tokens = np.memmap(tokens_path, self.dtype, mode="r") if self.shard_tokens[s] else \
+                    np.zeros(0, self.dtype)
+        except (OSError, ValueError) as e:
+            raise DataReadError(f"{tokens_path}: cannot read: {storage.error_text(e)}") from None
+        n = int(self.shard_tokens[s])
+        if len(offsets) != self.shard_docs[s] + 1 or offsets[-1] != n or (len(offsets) > 1 and (
+                offsets[0] != 0 or np.any(np.diff(offsets) < 0))):
+            raise DataReadError(f"{docs_path}: its document offsets are damaged; run maxtrain.prepare again")
+        return tokens, offsets
+
+    def _span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [start, stop) of the corpus's stream and each one's document (a global index)."""
+        pieces_t, pieces_d = [], []
+        s = int(np.searchsorted(self.token_start, start, side="right")) - 1
+        while start < stop:
+            while self.shard_tokens[s] == 0:
+                s += 1
+            tokens, offsets = self._shard(s)
+            lo, hi = start - self.token_start[s], min(stop, self.token_start[s + 1]) - self.token_start[s]
+            chunk = np.asarray(tokens[lo:hi])
+            if len(chunk) and chunk.max() >= self.vocab_size:
+                raise DataReadError(f"{shard_paths(self.directory, self.names[s])[0]}: token id {int(chunk.max())} "
+                                    f"is outside the vocabulary ({self.vocab_size}): the shard is damaged")
+            pieces_t.append(chunk)
+            pieces_d.append(self.doc_start[s] + np.searchsorted(offsets, np.arange(lo, hi), side="right") - 1)
+            start += hi - lo
+            s += 1
+        return np.concatenate(pieces_t).astype(np.int32), np.concatenate(pieces_d)
+
+    def windows(self, length: int) -> int:
+        """Rows of length + 1 tokens the stream holds (consecutive rows share a token)."""
+        return max(0, (self.tokens - 1) // length)
+
+    def window(self, w: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._span(w * length, w * length + length + 1)
+
+    def document(self, d: int, length: int) -> np.ndarray:
+        """Document d's first length + 1 tokens."""
+        s = int(np.searchsorted(self.doc_start, d, side="right")) - 1
+        _, offsets = self._shard(s)
+        lo = self.token_start[s] + offsets[d - self.doc_start[s]]
+        hi = self.token_start[s] + offsets[d - self.doc_start[s] + 1]
+        return self._span(int(lo), int(min(hi, lo + length + 1)))[0]
+
+
+class _Ranged:
+    """A bucket object's tokens, read a slice at a time (one ranged request each)."""
+
+    def __init__(self, url: str, dtype):
+        import fsspec
+        self.fs, self.path, self.dtype = fsspec.core.url_to_fs(url)[0], url, dtype
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        data = self.fs.cat_file(self.path, start=int(sl.start) * size, end=int(sl.stop) * size)
+        return np.frombuffer(data, self.dtype)
+
+
+def listing(directory: str) -> dict[str, int]:
+    """Each shard file's size, from one listing of DIR/shards."""
+    root = storage.path(directory) / "shards"
+    try:
+        if storage.is_url(directory):
+            import fsspec
+            fs, path = fsspec.core.url_to_fs(str(root))
+            return {info["name"].rsplit("/", 1)[-1]: int(info["size"]) for info in fs.ls(path, detail=True)}
+        return {p.name: p.stat().st_size for p in root.iterdir()}
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise DataError(f"{root}: cannot list: {storage.error_text(e)}") from None
+
+
+class PreparedReader:
+    """Rows of a prepared corpus (or a part of it: `first`, `count` rows). Training rows are shuffled by
+    grain's index shuffle, a new permutation each epoch; global row g of a run is step g // R, row g % R.
+    The position is the step: nothing else to save."""
+
+    def __init__(self, corpus: Corpus, c, lanes: range, first: int, count: int, train: bool):
+        self.corpus, self.lanes, self.first, self.count, self.train = corpus, lanes, first, count, train
+        self.rows, self.length, self.packing, self.seed = c.global_batch_size, c.max_target_length, c.packing, \
+            c.data_shuffle_seed
+        if train:
+            self.steps = None if c.num_epochs == -1 else c.num_epochs * count // self.rows
+        else:
+            self.steps = -(-count // self.rows)
+
+    def initial(self):
+        return 0
+
+    def open(self, step: int):
+        """Batches from `step` on, each with the position after it; grain's threads read them ahead."""
+        import grain
+        stop = self.steps if self.steps is not None else 2**62
+        if step >= stop:
+            return iter(())
+        threads = 16 if self.corpus.directory.count("://") else 2  # a bucket's ranged reads wait on the network
+        ds = grain.MapDataset.range(step, stop).map(self.batch)
+        return zip(ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=2 * threads)),
+                   range(step + 1, stop + 1))
+
+    def batch(self, step: int) -> dict:
+        n, length = len(self.lanes), self.length
+        tokens, docs, valid = np.zeros((n, length + 1), np.int32), np.zeros((n, length + 1), np.int64), \
+            np.zeros((n, length + 1), bool)
+        for r, j in enumerate(self.lanes):
+            g = step * self.rows + j
+            if not self.train and g >= self.count:
+                continue  # the eval part ended: padding
+            index = self.first + (self.shuffled(g) if self.train else g)
+            if self.packing:
+                t, d = self.corpus.window(index, length)
+                docs[r, :len(t)] = d
+            else:
+                t = self.corpus.document(index, length)
+            tokens[r, :len(t)], valid[r, :len(t)] = t, True
+        return rows_lib.features(tokens, docs, valid)
+
+    def shuffled(self, g: int) -> int:
+        """Global row g's place in the corpus: grain's index shuffle, seeded anew each epoch (as its
+        MapDataset.shuffle().repeat() does)."""
+        from grain import experimental as grain_exp
+        epoch, i = divmod(g, self.count)
+        return grain_exp.index_shuffle(i, max_index=self.count - 1, seed=(self.seed + epoch) % 2**32, rounds=4)
+
+    def global_state(self, step: int) -> dict:
+        return {"kind": "prepared", "step": int(step), "rows": self.count}
+
+    def position(self, state: dict) -> int:
+        if state.get("kind") != "prepared":
+            raise ValueError("not a prepared corpus's position")
+        import jax  # (not in maxtrain.prepare's workers)
+        if state["rows"] != self.count and jax.process_index() == 0:
+            print(f"warning: the prepared data has {self.count:,} rows where the checkpoint's had {state['rows']:,}: "
+                  "the order of the rows from here differs from the saved run's", flush=True)
+        return int(state["step"])
