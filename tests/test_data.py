@@ -278,6 +278,27 @@ def test_prepared_rows_visit_every_window_once_an_epoch(tiny_config, tmp_path):
     np.testing.assert_array_equal(b["targets"][1][:-1], corp._span(w * 64 + 1, w * 64 + 64)[0])
 
 
+def test_a_shards_documents_are_found_with_few_reads(tmp_path):
+    """Each token's document, from offsets read a few at a time (a guess from the mean length, else a binary
+    search), as a search of all of them gives: skewed lengths, empty documents, a window over many."""
+    from maxtrain.data import prepared
+    rng = np.random.default_rng(0)
+    for trial in range(100):
+        lengths = rng.choice([0, 0, 1, 2, 5, 30, 700, 5000], size=rng.integers(1, 4000))
+        if trial % 3 == 0:
+            lengths[: len(lengths) // 2] = 0  # the guess misses
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
+        if offsets[-1] == 0:
+            continue
+        offsets.tofile(tmp_path / "docs")
+        read = prepared._Offsets(prepared._Local(str(tmp_path / "docs"), np.dtype("<i8")), "docs")
+        for _ in range(10):
+            lo = int(rng.integers(0, offsets[-1]))
+            hi = int(min(offsets[-1], lo + rng.integers(1, 600)))
+            want = np.searchsorted(offsets, np.arange(lo, hi), side="right") - 1
+            np.testing.assert_array_equal(read.documents(lo, hi), want)
+
+
 def test_prepared_batches_depend_on_the_step_alone(tiny_config, tmp_path):
     corpus.make(tmp_path / "corpus", 2, 40)
     _, out, _ = prepare(tiny_config, tmp_path)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import numpy as np
 
@@ -96,17 +97,14 @@ class Corpus:
         tokens_path, docs_path = shard_paths(self.directory, self.names[s])
         try:
             if storage.is_url(self.directory):
-                offsets = np.frombuffer(docs_path.read_bytes(), "<i8")
+                offsets = _Offsets(np.frombuffer(docs_path.read_bytes(), "<i8"), str(docs_path))
                 tokens = _Ranged(str(tokens_path), self.dtype)
             else:
-                offsets = np.memmap(docs_path, "<i8", mode="r")
-                tokens = np.memmap(tokens_path, self.dtype, mode="r") if self.shard_tokens[s] else \
-                    np.zeros(0, self.dtype)
+                offsets = _Offsets(_Local(str(docs_path), np.dtype("<i8")), str(docs_path))
+                tokens = _Local(str(tokens_path), self.dtype)
         except (OSError, ValueError) as e:
             raise DataReadError(f"{tokens_path}: cannot read: {storage.error_text(e)}") from None
-        n = int(self.shard_tokens[s])
-        if len(offsets) != self.shard_docs[s] + 1 or offsets[-1] != n or (len(offsets) > 1 and (
-                offsets[0] != 0 or np.any(np.diff(offsets) < 0))):
+        if len(offsets) != self.shard_docs[s] + 1 or offsets[0] != 0 or offsets.tokens != self.shard_tokens[s]:
             raise DataReadError(f"{docs_path}: its document offsets are damaged; run maxtrain.prepare again")
         return tokens, offsets
 
@@ -124,7 +122,7 @@ class Corpus:
                 raise DataReadError(f"{shard_paths(self.directory, self.names[s])[0]}: token id {int(chunk.max())} "
                                     f"is outside the vocabulary ({self.vocab_size}): the shard is damaged")
             pieces_t.append(chunk)
-            pieces_d.append(self.doc_start[s] + np.searchsorted(offsets, np.arange(lo, hi), side="right") - 1)
+            pieces_d.append(self.doc_start[s] + offsets.documents(int(lo), int(hi)))
             start += hi - lo
             s += 1
         return np.concatenate(pieces_t).astype(np.int32), np.concatenate(pieces_d)
@@ -140,9 +138,64 @@ class Corpus:
         """Document d's first length + 1 tokens."""
         s = int(np.searchsorted(self.doc_start, d, side="right")) - 1
         _, offsets = self._shard(s)
-        lo = self.token_start[s] + offsets[d - self.doc_start[s]]
-        hi = self.token_start[s] + offsets[d - self.doc_start[s] + 1]
-        return self._span(int(lo), int(min(hi, lo + length + 1)))[0]
+        i = int(d - self.doc_start[s])
+        lo, hi = self.token_start[s] + offsets[i], self.token_start[s] + offsets[i + 1]
+        return self._span(int(lo), int(min(hi, lo + length + 1)))[0] if hi > lo else np.zeros(0, np.int32)
+
+
+class _Offsets:
+    """A shard's document offsets (n + 1, the first 0, the last its token count): a local file is read a few
+    values at a time, a bucket's object whole (a shard's cache entry)."""
+
+    BRACKET = 512  # a binary search reads one value a probe, until this many remain: then those at once
+
+    def __init__(self, values, path: str):
+        self.values, self.path = values, path
+        self.tokens = self[len(self) - 1]
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.values[i:i + 1][0])
+
+    def documents(self, lo: int, hi: int) -> np.ndarray:
+        """The document (its index in the shard) of each token lo .. hi - 1."""
+        n = len(self) - 1
+        # First a guess from the shard's mean document length: one read brackets lo, mostly (a cold disk
+        # pays for each read); else a binary search, one value a probe, keeping offsets[a] <= lo < offsets[b].
+        guess = lo * n // max(self.tokens, 1)
+        a, b = max(0, guess - self.BRACKET), min(n, guess + self.BRACKET)
+        starts = np.asarray(self.values[a:b + 1])
+        if not starts[0] <= lo < starts[-1]:
+            a, b = (b, n) if starts[0] <= lo else (0, a)
+            while b - a > self.BRACKET:
+                mid = (a + b) // 2
+                a, b = (mid, b) if self[mid] <= lo else (a, mid)
+            starts = np.asarray(self.values[a:b + 1])
+        end = a + len(starts)
+        while starts[-1] < hi and end < len(self):  # empty documents can start many times in one window
+            end = min(end + self.BRACKET, len(self))
+            starts = np.asarray(self.values[a:end])
+        return a + np.searchsorted(starts, np.arange(lo, hi), side="right") - 1
+
+    def __len__(self) -> int:
+        return len(self.values) if isinstance(self.values, np.ndarray) else self.values.size
+
+
+class _Local:
+    """A local file of numbers, read a slice at a time (pread): the pages a memory map touched would stay in
+    the process's resident memory, growing with the tokens a run has read; a file cut short under the run is
+    an error here, where a map would end the process (SIGBUS)."""
+
+    def __init__(self, path: str, dtype):
+        self.file, self.path, self.dtype = open(path, "rb"), path, dtype
+        self.size = os.fstat(self.file.fileno()).st_size // dtype.itemsize
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        want = (int(sl.stop) - int(sl.start)) * size
+        data = os.pread(self.file.fileno(), want, int(sl.start) * size)
+        if len(data) != want:
+            raise DataReadError(f"{self.path}: ends before token {int(sl.stop):,}: the shard changed under the run")
+        return np.frombuffer(data, self.dtype)
 
 
 class _Ranged:

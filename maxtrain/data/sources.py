@@ -192,6 +192,8 @@ def _lines(piece: Piece, text_field: str) -> Iterator[str]:
         if not inside:
             return
         number += 1
+        if number == 1 and piece.start == 0:
+            line = line.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark some editors write
         if not line.strip():
             continue
         where = f"line {number}" if piece.start == 0 else f"line {number} after byte {piece.start}"
