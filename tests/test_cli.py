@@ -58,8 +58,10 @@ def test_generate_help_as_a_user_runs_it():
 def test_help_keys_prints_default_and_comment_from_base_yml(capsys):
     assert train.main(["--help-keys", "eval_*"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        'eval_files: ""            # comma-separated globs; empty = hold out eval_split_fraction of train',
-        "eval_split_fraction: 0.0  # with no eval_files: the last this fraction of train documents",
+        'eval_files: ""            # comma-separated globs, or a prepared directory; empty = hold out '
+        'eval_split_fraction of train',
+        "eval_split_fraction: 0.0  # with no eval_files: hold out this fraction of train (prepared: its last rows; "
+        "streamed: the documents a hash of their place picks)",
         "eval_interval: 0          # evaluate every this many steps (and at the end); 0 = never",
         "eval_steps: 10            # eval batches per evaluation (fewer if the eval set ends)",
     ]

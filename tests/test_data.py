@@ -254,6 +254,11 @@ def test_an_interrupted_prepare_resumes_where_it_stopped(tiny_config, tmp_path):
     assert again == manifest and {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == before
     _, _, lines = prepare(tiny_config, tmp_path)
     assert lines == [f"nothing to do: {out} is prepared (100 documents, {manifest['tokens']:,} tokens in 5 shards)"]
+    # A finished directory with a shard cut short (a copy that stopped): the same command writes it again.
+    (out / "shards" / "00001.tokens").write_bytes(before["00001.tokens"][:100])
+    again, _, lines = prepare(tiny_config, tmp_path)
+    assert "4 pieces done before, resuming" in lines[0] and again == manifest
+    assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == before
     # Other inputs into the same directory: refused, nothing changed.
     with pytest.raises(ConfigError, match="prepared_dir: .* holds data prepared from other files"):
         prepare(tiny_config, tmp_path, "add_bos=false")

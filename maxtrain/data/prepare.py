@@ -144,8 +144,9 @@ def _inputs(job: Job, tok: Tokenizer) -> dict:
             "tokenizer": tok.identity(), "format": prepared.FORMAT, "version": prepared.VERSION}
 
 
-def _done(job: Job) -> dict[int, dict]:
-    """The shards already written (a record, and files of the sizes it gives)."""
+def _done(job: Job, dtype) -> dict[int, dict]:
+    """The shards already written: a record, and files of the sizes it gives (a shard cut short, or whose
+    record was removed, is written again)."""
     root = storage.path(job.directory) / "shards"
     listed = prepared.listing(job.directory)
     done = {}
@@ -155,9 +156,11 @@ def _done(job: Job) -> dict[int, dict]:
             continue
         try:
             record = json.loads((root / f"{name}.json").read_text())
-        except (OSError, ValueError):
+            sizes = (int(record["tokens"]) * dtype.itemsize, (int(record["documents"]) + 1) * 8)
+        except (OSError, ValueError, KeyError, TypeError):
             continue
-        done[i] = record
+        if (listed.get(f"{name}.tokens"), listed.get(f"{name}.docs")) == sizes:
+            done[i] = record
     return done
 
 
@@ -169,15 +172,13 @@ def run(c, say=print) -> dict:
     root = storage.path(job.directory, "prepared_dir")
     inputs = _inputs(job, tok)
     try:
+        finished = None
         if (root / prepared.MANIFEST).exists():
-            manifest = json.loads((root / prepared.MANIFEST).read_text())
-            if manifest.get("inputs") == inputs:
-                say(f"nothing to do: {job.directory} is prepared ({counted(manifest['documents'], 'document')}, "
-                    f"{counted(manifest['tokens'], 'token')} in {counted(len(manifest['shards']), 'shard')})")
-                return manifest
-            raise ConfigError("prepared_dir", f"{job.directory} holds data prepared from other files or another "
-                              "tokenizer; choose another prepared_dir (or remove it)")
-        if (root / PLAN).exists():
+            finished = json.loads((root / prepared.MANIFEST).read_text())
+            if finished.get("inputs") != inputs:
+                raise ConfigError("prepared_dir", f"{job.directory} holds data prepared from other files or "
+                                  "another tokenizer; choose another prepared_dir (or remove it)")
+        elif (root / PLAN).exists():
             if json.loads((root / PLAN).read_text()) != inputs:
                 raise ConfigError("prepared_dir", f"{job.directory} holds an unfinished job with other files or "
                                   "another tokenizer; choose another prepared_dir (or remove it)")
@@ -189,8 +190,12 @@ def run(c, say=print) -> dict:
     except json.JSONDecodeError:
         raise ConfigError("prepared_dir", f"{job.directory}: its {prepared.MANIFEST} or {PLAN} is not maxtrain's; "
                           "choose another prepared_dir") from None
-    done = _done(job)
+    done = _done(job, prepared.token_dtype(tok.vocab_size))
     todo = [i for i in range(len(job.pieces)) if i not in done]
+    if finished is not None and not todo:
+        say(f"nothing to do: {job.directory} is prepared ({counted(finished['documents'], 'document')}, "
+            f"{counted(finished['tokens'], 'token')} in {counted(len(finished['shards']), 'shard')})")
+        return finished
     workers = max(1, min(len(todo), c.prepare_workers if c.prepare_workers > 0 else os.cpu_count() or 1))
     sizes = [_piece_bytes(p) for p in job.pieces]
     total_bytes = sum(sizes)

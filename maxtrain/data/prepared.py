@@ -29,6 +29,8 @@ from maxtrain.runtime import storage
 
 FORMAT, VERSION = "maxtrain-prepared", 1
 MANIFEST = "manifest.json"
+REWRITE = "the same maxtrain.prepare command writes it again"  # (it checks each shard's size)
+DAMAGED = "remove its record (the .json beside it) and run the same maxtrain.prepare command: it writes it again"
 
 
 def token_dtype(vocab_size: int):
@@ -80,10 +82,10 @@ class Corpus:
             for path, want in zip(shard_paths(self.directory, name), (tokens * self.dtype.itemsize, (docs + 1) * 8)):
                 got = listed.get(path.name)
                 if got is None:
-                    raise DataError(f"{path}: missing (the manifest lists it); run maxtrain.prepare again")
+                    raise DataError(f"{path}: missing (the manifest lists it); {REWRITE}")
                 if got != want:
                     raise DataError(f"{path}: {got} bytes where the manifest says {want}: the shard is damaged "
-                                    "or incomplete; run maxtrain.prepare again")
+                                    f"or incomplete; {REWRITE}")
 
     def describe(self) -> str:
         return (f"{self.directory}: {self.tokens:,} tokens in {self.documents:,} documents, "
@@ -105,7 +107,7 @@ class Corpus:
         except (OSError, ValueError) as e:
             raise DataReadError(f"{tokens_path}: cannot read: {storage.error_text(e)}") from None
         if len(offsets) != self.shard_docs[s] + 1 or offsets[0] != 0 or offsets.tokens != self.shard_tokens[s]:
-            raise DataReadError(f"{docs_path}: its document offsets are damaged; run maxtrain.prepare again")
+            raise DataReadError(f"{docs_path}: its document offsets are damaged; {DAMAGED}")
         return tokens, offsets
 
     def _span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -120,7 +122,7 @@ class Corpus:
             chunk = np.asarray(tokens[lo:hi])
             if len(chunk) and chunk.max() >= self.vocab_size:
                 raise DataReadError(f"{shard_paths(self.directory, self.names[s])[0]}: token id {int(chunk.max())} "
-                                    f"is outside the vocabulary ({self.vocab_size}): the shard is damaged")
+                                    f"is outside the vocabulary ({self.vocab_size}): the shard is damaged; {DAMAGED}")
             pieces_t.append(chunk)
             pieces_d.append(self.doc_start[s] + offsets.documents(int(lo), int(hi)))
             start += hi - lo
