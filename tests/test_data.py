@@ -614,3 +614,28 @@ def test_prepare_refuses_bad_requests_in_one_line(tmp_path):
         assert proc.returncode == 2 and err.startswith(expected) and len(err.strip().splitlines()) == 1, (args, err)
     help_ = subprocess.run([sys.executable, "-m", "maxtrain.prepare", "--help"], capture_output=True, text=True, cwd=REPO)
     assert help_.returncode == 0 and help_.stdout.startswith("usage: python -m maxtrain.prepare CONFIG.yml")
+
+
+def test_the_loop_says_when_the_step_waits_for_data(capsys):
+    """The input pipeline's own rate once, early; each logged step's share of time spent waiting for a batch;
+    a warning above 10%, at most every 5 minutes."""
+    import types
+    from maxtrain.observe.data_watch import DataWatch
+    batches = types.SimpleNamespace(stats=(0.0, 0, 0.0))
+    c = types.SimpleNamespace(global_batch_size=8, max_target_length=128)
+    watch = DataWatch(batches, c)
+    assert watch.read(10.0, True, 0.1) == {}  # the first logged step starts the window
+    batches.stats = (0.5, 1_000_000, 0.2)  # 1M tokens made in 0.5 s of work; 0.2 s waited of the next 10 s
+    assert watch.read(20.0, False, 0.1) == {"data_wait_fraction": pytest.approx(0.02)}
+    assert capsys.readouterr().out == ("input pipeline: 2,000,000 tokens/s per host on its own; the step consumes "
+                                       "10,240 tokens/s per host\n")
+    batches.stats = (1.0, 2_000_000, 5.2)  # then 5 s of 10 s waiting
+    assert watch.read(30.0, False, 0.1) == {"data_wait_fraction": pytest.approx(0.5)}
+    assert capsys.readouterr().out.startswith("warning: the step waited for data 50% of the time since the last log")
+    batches.stats = (1.5, 3_000_000, 10.2)
+    watch.read(40.0, False, 0.1)
+    assert capsys.readouterr().out == ""  # said again only after 5 minutes
+    batches.stats = (2.0, 4_000_000, 50.2)  # 40 s of 301
+    watch.read(341.0, False, 0.1)
+    assert "warning: the step waited for data" in capsys.readouterr().out
+    assert DataWatch(types.SimpleNamespace(stats=None), c).read(1.0, False, 0.1) == {}  # synthetic data

@@ -18,6 +18,7 @@ from maxtrain.data import pipeline as data
 from maxtrain.runtime import errors, run_dir as run_dir_lib
 from maxtrain.observe import fit, metrics as metrics_lib, writers as metric_writers, profiler as profiler_lib
 from maxtrain.observe import progress, run_record
+from maxtrain.observe.data_watch import DataWatch
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain.runtime.interrupts import Preemption
@@ -299,37 +300,3 @@ class TrainLoop:
         say(f"done: {last} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}{skipped}; outputs in {self.run_dir}")
         return {"losses": history, "state": state, "eval_losses": self.eval_history, "nonfinite_steps": count}
 
-
-class DataWatch:
-    """How the input pipeline keeps up: its own rate, said once early, and at every logged step the share of
-    the time the step loop waited for a batch (`data_wait_fraction`), with a warning when it is large."""
-
-    WARN_FRACTION, WARN_EVERY_SECONDS = 0.1, 300.0
-
-    def __init__(self, batches, c: config_lib.Config):
-        self.batches, self.c = batches, c
-        self.told_rate = False
-        self.last_waited = self.last_time = self.last_warned = None
-
-    def read(self, now: float, first: bool, step_seconds: float) -> dict:
-        stats = getattr(self.batches, "stats", None)
-        if stats is None:  # synthetic data: nothing read
-            return {}
-        busy, tokens, waited = stats
-        if self.last_time is None or first:
-            self.last_waited, self.last_time = waited, now
-            return {}
-        fraction = min(1.0, (waited - self.last_waited) / max(now - self.last_time, 1e-9))
-        self.last_waited, self.last_time = waited, now
-        consumed = self.c.global_batch_size * self.c.max_target_length / jax.process_count() / step_seconds
-        if not self.told_rate and busy > 0:
-            self.told_rate = True
-            say(f"input pipeline: {tokens / busy:,.0f} tokens/s per host on its own; the step consumes "
-                f"{consumed:,.0f} tokens/s per host")
-        if fraction >= self.WARN_FRACTION and (self.last_warned is None or
-                                               now - self.last_warned >= self.WARN_EVERY_SECONDS):
-            self.last_warned = now
-            say(f"warning: the step waited for data {100 * fraction:.0f}% of the time since the last log line "
-                f"(the input pipeline makes {tokens / max(busy, 1e-9):,.0f} tokens/s per host, the step consumes "
-                f"{consumed:,.0f}); more grain_worker_count, or dataset_type=prepared, would help")
-        return {"data_wait_fraction": fraction}

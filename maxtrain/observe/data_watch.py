@@ -1,0 +1,42 @@
+"""Whether the input pipeline keeps up with the step: read at each logged step of the loop."""
+
+from __future__ import annotations
+
+import jax
+
+from maxtrain.runtime.startup import say
+
+
+class DataWatch:
+    """How the input pipeline keeps up: its own rate, said once early, and at every logged step the share of
+    the time the step loop waited for a batch (`data_wait_fraction`), with a warning when it is large."""
+
+    WARN_FRACTION, WARN_EVERY_SECONDS = 0.1, 300.0
+
+    def __init__(self, batches, c):
+        self.batches, self.c = batches, c
+        self.told_rate = False
+        self.last_waited = self.last_time = self.last_warned = None
+
+    def read(self, now: float, first: bool, step_seconds: float) -> dict:
+        stats = getattr(self.batches, "stats", None)
+        if stats is None:  # synthetic data: nothing read
+            return {}
+        busy, tokens, waited = stats
+        if self.last_time is None or first:
+            self.last_waited, self.last_time = waited, now
+            return {}
+        fraction = min(1.0, (waited - self.last_waited) / max(now - self.last_time, 1e-9))
+        self.last_waited, self.last_time = waited, now
+        consumed = self.c.global_batch_size * self.c.max_target_length / jax.process_count() / step_seconds
+        if not self.told_rate and busy > 0:
+            self.told_rate = True
+            say(f"input pipeline: {tokens / busy:,.0f} tokens/s per host on its own; the step consumes "
+                f"{consumed:,.0f} tokens/s per host")
+        if fraction >= self.WARN_FRACTION and (self.last_warned is None or
+                                               now - self.last_warned >= self.WARN_EVERY_SECONDS):
+            self.last_warned = now
+            say(f"warning: the step waited for data {100 * fraction:.0f}% of the time since the last log line "
+                f"(the input pipeline makes {tokens / max(busy, 1e-9):,.0f} tokens/s per host, the step consumes "
+                f"{consumed:,.0f}); more grain_worker_count, or dataset_type=prepared, would help")
+        return {"data_wait_fraction": fraction}
