@@ -474,8 +474,8 @@ def test_bad_inputs_name_the_file(tmp_path, tiny_config):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gz", "prepared"])
 def test_a_file_found_bad_mid_run_stops_it_and_keeps_the_checkpoints(tmp_path, tiny_config, kind):
-    """A truncated .gz whose end the rows reach after a few steps, or a prepared shard whose later rows are
-    damaged: exit 1 in one line naming the file; the checkpoint before it resumes once the file is mended."""
+    """A truncated .gz whose end the rows reach after a few steps, or a prepared shard damaged in place while
+    the run reads it: exit 1 in one line naming the file; the checkpoint before it resumes once it is mended."""
     docs = corpus.paragraphs()[:120]
     (tmp_path / "corpus").mkdir()
     if kind == "gz":
@@ -489,12 +489,27 @@ def test_a_file_found_bad_mid_run_stops_it_and_keeps_the_checkpoints(tmp_path, t
         _, out, _ = prepare(tiny_config, tmp_path)
         bad = out / "shards" / "00000.tokens"
         good = bad.read_bytes()
-        bad.write_bytes(good[: len(good) // 2] + b"\xff" * (len(good) - len(good) // 2))  # ids past the vocabulary
-        args = ["dataset_type=prepared", f"train_files={out}", "num_epochs=1", "packing=false"]
+        args = ["dataset_type=prepared", f"train_files={out}", "packing=false"]
         expected = f"data error: {bad}: token id 65535 is outside the vocabulary (259): the shard is damaged"
     run = ("run_name=r", "steps=400", "enable_checkpointing=true", "checkpoint_period=2", "max_target_length=256",
            "per_device_batch_size=2", "data_shuffle_seed=3", *args)
-    proc = cli(*run, tmp_path=tmp_path, config=str(TESTS / "configs" / "tiny.yml"))
+    if kind == "gz":
+        proc = cli(*run, tmp_path=tmp_path, config=str(TESTS / "configs" / "tiny.yml"))
+    else:  # a global shuffle reads any document first: damage the shard once a checkpoint is saved
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        running = subprocess.Popen([sys.executable, "-m", "maxtrain.train", str(TESTS / "configs" / "tiny.yml"),
+                                    *TEXT, f"base_output_directory={tmp_path / 'out'}", *run],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        lines = []
+        for line in running.stdout:
+            lines.append(line)
+            if line.startswith("saved checkpoint "):
+                with open(bad, "r+b") as f:  # in place, its size kept: ids past the vocabulary in its second half
+                    f.seek(len(good) // 2)
+                    f.write(b"\xff" * (len(good) - len(good) // 2))
+                break
+        out_rest, err = running.communicate(timeout=300)
+        proc = subprocess.CompletedProcess(running.args, running.returncode, "".join(lines) + out_rest, err)
     one_line(proc, 1, expected)
     saved = sorted(int(p.name) for p in (tmp_path / "out" / "r" / "checkpoints").iterdir() if p.name.isdigit())
     assert saved and f"saved checkpoint {saved[-1]} " in proc.stdout

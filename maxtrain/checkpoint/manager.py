@@ -224,7 +224,7 @@ class Checkpointer:
 
     def _verdicts_failed(self, e: OSError) -> SaveError:
         return SaveError(f"writing the checkpoints' verdicts to {self.trust.path} failed: {os_error_text(e)}; "
-                         f"the last good checkpoint is {self._last_good()}")
+                         f"the last good checkpoint is {self._last_good(but=self._unconfirmed)}")
 
     def _forget(self, steps) -> None:
         try:
@@ -233,6 +233,7 @@ class Checkpointer:
             raise self._verdicts_failed(e) from None
 
     def _last_good(self, but: int | None = None) -> str:
+        """`but`: a step whose save failed or is still in flight (Orbax lists it already)."""
         good = [s for s in self.manager.all_steps() if s != but]
         trusted = self.trust.newest_trusted(good)
         newest = trusted if trusted is not None else max(good, default=None)
