@@ -14,6 +14,7 @@ import yaml
 
 from maxtrain.config import load as config
 from maxtrain.observe import metrics, progress, run_record
+from maxtrain.runtime import wording
 from maxtrain.training import step as step_lib, evaluation
 from conftest import TINY
 from test_faults import CKPT, run_cli
@@ -21,7 +22,7 @@ from test_faults_runtime import read_events
 
 
 def test_durations_read_as_people_read_them():
-    assert [progress.duration(s) for s in (0, 4.4, 59.6, 65, 3599, 3600, 7380)] == \
+    assert [wording.duration(s) for s in (0, 4.4, 59.6, 65, 3599, 3600, 7380)] == \
         ["0s", "4s", "59s", "1m 05s", "59m 59s", "1h 00m", "2h 03m"]
 
 

@@ -26,7 +26,7 @@ from maxtrain.data import rows as rows_lib, sources
 from maxtrain.data.rows import BATCH_DTYPES, BATCH_KEYS  # noqa: F401 (the batch's layout, for the step)
 from maxtrain.data.sources import DataError, DataReadError  # noqa: F401 (raised by the readers)
 from maxtrain.data.tokenizer import Tokenizer, make_tokenizer
-from maxtrain.observe.progress import counted
+from maxtrain.runtime.wording import counted
 from maxtrain.runtime.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------

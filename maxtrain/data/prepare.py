@@ -135,6 +135,13 @@ def _run_piece(args) -> dict:
     return _write(*args)
 
 
+def _remove_partial(job: Job) -> None:
+    """Shards a stopped worker left half-written (local directories; remote ones are written whole)."""
+    if not storage.is_url(job.directory):
+        for tmp in (storage.path(job.directory) / "shards").glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # The job
 
@@ -166,7 +173,7 @@ def _done(job: Job, dtype) -> dict[int, dict]:
 
 def run(c, say=print) -> dict:
     """Runs (or resumes) the job; returns the manifest."""
-    from maxtrain.observe.progress import counted, duration  # (imports jax: not in the workers)
+    from maxtrain.runtime.wording import counted, duration
     job = plan(c)
     tok = tokenizer_of(job.settings)
     root = storage.path(job.directory, "prepared_dir")
@@ -206,22 +213,28 @@ def run(c, say=print) -> dict:
     t0, last, done_bytes = time.perf_counter(), time.perf_counter(), 0
     new_tokens = 0
     if todo:
+        _remove_partial(job)  # a killed run's
         ctx = multiprocessing.get_context("spawn")  # no fork of a process whose tokenizer holds threads
-        with ctx.Pool(workers, initializer=_start_worker, initargs=(job.settings,)) as pool:
-            for record in pool.imap_unordered(_run_piece, [(job, i) for i in todo]):
-                i = int(record["name"])
-                done[i] = record
-                done_bytes += sizes[i]
-                new_tokens += record["tokens"]
-                now = time.perf_counter()
-                if now - last >= REPORT_SECONDS or len(done) == len(job.pieces):
-                    last = now
-                    rate = done_bytes / (now - t0)
-                    left = total_bytes - sum(sizes[j] for j in done)
-                    say(f"prepare: {len(done)}/{len(job.pieces)} pieces | "
-                        f"{sum(r['documents'] for r in done.values()):,} documents, "
-                        f"{sum(r['tokens'] for r in done.values()):,} tokens | "
-                        f"{new_tokens / (now - t0):,.0f} tokens/s | ETA {duration(left / rate) if rate else '?'}")
+        try:
+            with ctx.Pool(workers, initializer=_start_worker, initargs=(job.settings,)) as pool:
+                for record in pool.imap_unordered(_run_piece, [(job, i) for i in todo]):
+                    i = int(record["name"])
+                    done[i] = record
+                    done_bytes += sizes[i]
+                    new_tokens += record["tokens"]
+                    now = time.perf_counter()
+                    if now - last >= REPORT_SECONDS or len(done) == len(job.pieces):
+                        last = now
+                        rate = done_bytes / (now - t0)
+                        left = total_bytes - sum(sizes[j] for j in done)
+                        eta = duration(left / rate) if rate else "?"
+                        say(f"prepare: {len(done)}/{len(job.pieces)} pieces | "
+                            f"{sum(r['documents'] for r in done.values()):,} documents, "
+                            f"{sum(r['tokens'] for r in done.values()):,} tokens | "
+                            f"{new_tokens / (now - t0):,.0f} tokens/s | ETA {eta}")
+        except BaseException:  # the pool is terminated: the other workers' shards in writing are partial
+            _remove_partial(job)
+            raise
     shards = [done[i] for i in range(len(job.pieces))]
     manifest = {"format": prepared.FORMAT, "version": prepared.VERSION, "tokenizer": tok.identity(),
                 "dtype": prepared.token_dtype(tok.vocab_size).str, "documents": sum(s["documents"] for s in shards),

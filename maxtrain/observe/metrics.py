@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.observe import progress
+from maxtrain.runtime.wording import duration
 from maxtrain.config.load import Config
 from maxtrain.models import registry
 
@@ -119,13 +119,13 @@ def format_line(step: int, total: int, m: dict[str, float], eta_seconds: float |
             f"grad_norm {m['grad_norm']:.3f} | {m['step_seconds']:.3f} s/step | "
             f"{m['tokens_per_second']:,.0f} tok/s | {m['tflops_per_device']:.3f} TFLOP/s/dev{mfu}" + moe_summary(m)
             + (f" | mtp_loss {m['mtp_loss']:.4f}" if "mtp_loss" in m else "")
-            + (f" | ETA {progress.duration(eta_seconds)}" if eta_seconds is not None else "")
+            + (f" | ETA {duration(eta_seconds)}" if eta_seconds is not None else "")
             + (" | non-finite: update skipped" if m.get("nonfinite") else ""))
 
 
 def format_eval_line(step: int, total: int, e: dict, seconds: float, eta_seconds: float | None) -> str:
     return (f"eval {step_of(step, total)} | loss {e['loss']:.4f} | perplexity {e['perplexity']:.3f} | "
-            f"{e['tokens']:,.0f} tokens | {seconds:.1f} s" + (f" | ETA {progress.duration(eta_seconds)}"
+            f"{e['tokens']:,.0f} tokens | {seconds:.1f} s" + (f" | ETA {duration(eta_seconds)}"
                                                               if eta_seconds is not None else ""))
 
 

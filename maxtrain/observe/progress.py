@@ -1,5 +1,5 @@
 """What a run is doing while it prints nothing else: a heartbeat line during long phases (compiling,
-restoring, evaluating, saving) and durations as people read them (1m 05s)."""
+restoring, evaluating, saving), its durations as people read them (runtime/wording.py)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,9 @@ import time
 
 import jax
 
+from maxtrain.runtime.wording import duration
+
 HEARTBEAT_SECONDS = 30.0  # a line at least this often while a long phase runs
-
-
-def counted(n: int, what: str) -> str:
-    """`1 file`, `1,024 files`."""
-    return f"{n:,} {what}{'s' * (n != 1)}"
-
-
-def duration(seconds: float) -> str:
-    """`45s`, `1m 05s`, `2h 03m`."""
-    s = max(int(seconds), 0)  # elapsed time: whole seconds passed
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    return f"{s // 3600}h {s % 3600 // 60:02d}m"
 
 
 class heartbeat:
