@@ -26,6 +26,7 @@ import numpy as np
 from maxtrain.data import rows as rows_lib
 from maxtrain.data.sources import DataError, DataReadError
 from maxtrain.runtime import storage
+from maxtrain.runtime.wording import counted
 
 FORMAT, VERSION = "maxtrain-prepared", 1
 MANIFEST = "manifest.json"
@@ -89,7 +90,7 @@ class Corpus:
 
     def describe(self) -> str:
         return (f"{self.directory}: {self.tokens:,} tokens in {self.documents:,} documents, "
-                f"{len(self.names)} shards")
+                f"{counted(len(self.names), 'shard')}")
 
     # ---- reading
 
