@@ -132,6 +132,12 @@ def main():
                 ("streamed jsonl (HF BPE 8k)", ["dataset_type=text", f"train_files={tmp}/corpus/*.jsonl", *hf])]
         rows += [(f"{name}, grain_worker_count={n}", [*keys, f"grain_worker_count={n}"])
                  for name, keys in rows[2:] for n in (1, 2)]
+        import json
+        prepared, streamed = {"files": str(tmp / "tok-byte")}, {"files": f"{tmp}/corpus/*.jsonl"}
+        rows += [("mixture (data_sources): 2 prepared (byte) sources, 50/50",
+                  ["data_sources=" + json.dumps({"a": {**prepared, "weight": 1}, "b": {**prepared, "weight": 1}})]),
+                 ("mixture (data_sources): prepared + streamed jsonl (byte), 50/50",
+                  ["data_sources=" + json.dumps({"a": {**prepared, "weight": 1}, "b": {**streamed, "weight": 1}})])]
         print(f"\ntrain step ({step_c.num_params / 1e6:.0f}M params, batch {step_c.global_batch_size} x "
               f"{step_c.max_target_length}, 1 CPU device) consumes {consumed:,.0f} tokens/s")
         print("| reader (batch 32 x 1024, one process, drained) | tokens/s per host | / step |\n|---|---|---|")

@@ -60,7 +60,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
         return {}
     fit.check_state(trainer)  # before init allocates it
     # Read data files and tokenizer before writing anything: bad input fails cleanly.
-    batches, make_eval_iterator = data.make_iterators(c, trainer.batch_sharding, say)
+    batches, evals = data.make_iterators(c, trainer.batch_sharding, say)
     samples = Samples(c, trainer) if c.sample_interval else None
     run_dir, created = run_dir_lib.make(c)
     say(run_record.start_lines(c, run_dir))
@@ -69,7 +69,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     say("compiling the train step (in the background while the state is made)")
     compiling = compiler.submit(progress.timed, trainer.compile_train_step)
     compiler.shutdown(wait=False)
-    return TrainLoop(c, trainer, batches, make_eval_iterator, run_dir, created, compiling, t_compile, samples).run()
+    return TrainLoop(c, trainer, batches, evals, run_dir, created, compiling, t_compile, samples).run()
 
 
 USAGE = """usage: python -m maxtrain.train CONFIG.yml [key=value ...]

@@ -39,6 +39,8 @@ def run_settings(step_dir: Path) -> dict[str, Any] | None:
         return None
     defaults = config_lib.defaults()
     settings = {k: records[-1].get(k, defaults[k]) for k in _KEYS}
+    if records[-1].get("data_sources"):  # a mixture reads text whatever dataset_type (its sources') says
+        settings["dataset_type"] = "text"
     if settings["dataset_type"] != "synthetic" and settings["tokenizer_type"] != "byte":
         settings["tokenizer_path"] = _from_where_the_run_started(settings["tokenizer_path"], path.parent)
         tokenizer = storage.path(settings["tokenizer_path"] or ".", "tokenizer_path")
@@ -63,7 +65,7 @@ def _from_where_the_run_started(value: str, run_dir) -> str:
 def write(s: dict[str, Any], out: Path) -> dict[str, Any]:
     """Writes the run's tokenizer files into `out`; returns the config.json keys that go with them."""
     hf = {"max_position_embeddings": s["max_target_length"]}
-    if s["dataset_type"] == "synthetic":  # its token ids stand for nothing a tokenizer could name
+    if s["dataset_type"] == "synthetic" and not s.get("data_sources"):  # its token ids stand for nothing a tokenizer could name
         return hf
     settings: dict[str, Any] = {}  # tokenizer_config.json's, beyond the special tokens
     if s["tokenizer_type"] == "sentencepiece":

@@ -286,9 +286,8 @@ class Checkpointer:
                 batches.set_state(data_state)
             except Exception as e:  # saved by another kind of input pipeline
                 raise CheckpointError(f"{self.directory / str(step)}: its data position {str(data_state)[:80]} does "
-                                      f"not fit this config's {self.config.dataset_type} data "
-                                      f"({type(e).__name__}); resume with the data it was saved with, or use a "
-                                      f"new run_name") from None
+                                      f"not fit this config's data ({str(e) or type(e).__name__}); resume with the "
+                                      f"data it was saved with, or use a new run_name") from None
             self.trust.resumed(step)
             return state
         if unusable:

@@ -49,6 +49,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention": ("auto", "dot_product", "blockwise", "jax_nn", "splash"),
     "distributed_init": ("auto", "true", "false"),
     "nan_policy": ("skip", "stop", "rollback"),
+    "data_source_exhausted": ("repeat", "drop"),
     "profiler": ("", "xplane"),
     "routed_score_func": ("softmax", "sigmoid"),
     "rope_type": ("llama3", "linear", "yarn"),

@@ -99,7 +99,10 @@ def _read_chain(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if not isinstance(parent, str):
         raise ConfigError("base_config", f"in {path} must be a path string")
-    return {**_read_chain(path.parent / parent, seen + (path,)), **data}
+    beside = path.parent / parent
+    if not beside.exists():  # `base_config: base.yml` in a user's own folder: the one the package ships
+        beside = config_path(parent)
+    return {**_read_chain(beside, seen + (path,)), **data}
 
 
 def _parse_override(arg: str, defaults: Mapping[str, Any]) -> tuple[str, Any]:
@@ -128,10 +131,11 @@ def _parse_override(arg: str, defaults: Mapping[str, Any]) -> tuple[str, Any]:
             raise ConfigError(key, f"expected a number, got {text!r}") from None
     if isinstance(default, str):
         return key, text
-    try:  # lists: YAML flow syntax, e.g. logical_axis_rules='[["batch","data"]]'
+    kind = "mapping" if isinstance(default, dict) else "list"
+    try:  # lists and mappings: YAML flow syntax, e.g. logical_axis_rules='[["batch","data"]]'
         return key, yaml_file.safe_load(text)
     except yaml.YAMLError:
-        raise ConfigError(key, f"expected a YAML list, got {text!r}") from None
+        raise ConfigError(key, f"expected a YAML {kind}, got {text!r}") from None
 
 
 def _check_known(key: str, defaults: Mapping[str, Any]) -> None:

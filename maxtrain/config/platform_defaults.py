@@ -33,7 +33,7 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
     auto_chunks(c)
     chosen = {k: c[k] for k in ("dtype", "attention", "moe_grouped_matmul", "scan_unroll", "loss_chunk_size",
                                 "mlp_chunk_size", "moe_chunk_size")}
-    if c["grain_worker_count"] == -1 and c["dataset_type"] in STREAMED:  # the only data that has workers
+    if c["grain_worker_count"] == -1 and (c["dataset_type"] in STREAMED or c["data_sources"]):  # (streamed files)
         chosen["grain_worker_count"] = data_workers_for(platform, os.cpu_count() or 1)
     return chosen
 

@@ -21,7 +21,7 @@ from typing import Any
 # often, where the outputs go, how the work is laid out on the devices, and the other entry points' keys.
 NOT_DEFINING = frozenset({
     "run_name", "base_output_directory", "steps", "log_period", "dry_run", "compilation_cache_dir",
-    "eval_files", "eval_interval", "eval_steps", "grain_worker_count", "prepared_dir", "prepare_workers",
+    "eval_files", "eval_sources", "eval_interval", "eval_steps", "grain_worker_count", "prepared_dir", "prepare_workers",
     "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
     "nan_policy", "max_nonfinite_steps", "loss_spike_factor",
     "metrics_backends", "peak_tflops_per_device", "profiler", "profiler_start_step", "profiler_steps",

@@ -8,6 +8,7 @@ from typing import Any
 
 from maxtrain.config.keys import (CHOICES, MESH_AXES, parallelism_key, METRICS_BACKENDS, PATH_KEYS, POSITIVE_INTS, RUN_NAME,
                                   UPPER_BOUNDS, ConfigError)
+from maxtrain.config.data_sources import validate_sources
 from maxtrain.models import quantization, stacks as stacks_lib
 from maxtrain.runtime import storage
 
@@ -91,9 +92,10 @@ def validate(c: dict[str, Any]) -> None:
             raise ConfigError(key, "must be -1 (auto) or " + ("positive" if key == "prepare_workers" else ">= 0"))
     if c["num_epochs"] == 0 or c["num_epochs"] < -1:
         raise ConfigError("num_epochs", "must be positive or -1 (repeat)")
-    if c["dataset_type"] != "synthetic" and not c["train_files"]:
+    validate_sources(c)
+    if c["dataset_type"] != "synthetic" and not c["train_files"] and not c["data_sources"]:
         raise ConfigError("train_files", f"dataset_type={c['dataset_type']} needs train_files (comma-separated globs)")
-    if c["dataset_type"] == "prepared":
+    if c["dataset_type"] == "prepared" and not c["data_sources"]:
         for key in ("train_files", "eval_files"):
             if "," in c[key] or any(ch in c[key] for ch in "*?["):
                 raise ConfigError(key, f"{c[key]!r}: dataset_type=prepared reads one directory, the prepared_dir "
@@ -302,12 +304,16 @@ def no_effect_warnings(c: Mapping[str, Any]) -> list[str]:
     carry them), but a user who set them expects something that will not happen."""
     warnings = []
     if c["eval_interval"] > 0:  # data.make_iterators makes eval batches only from eval_files or a split
-        if c["dataset_type"] == "synthetic":
+        if c["dataset_type"] == "synthetic" and not c["data_sources"]:
             warnings.append(f"eval_interval: {c['eval_interval']} has no effect: dataset_type=synthetic has no "
                             "eval data")
-        elif not c["eval_files"] and c["eval_split_fraction"] == 0:
+        elif not c["eval_files"] and not c["eval_sources"] and c["eval_split_fraction"] == 0:
             warnings.append(f"eval_interval: {c['eval_interval']} has no effect: no eval data (set eval_files or "
                             "eval_split_fraction)")
+    for n, stage in enumerate(c["data_stages"]):
+        if stage["start_step"] >= c["steps"]:
+            warnings.append(f"data_stages[{n}]: start_step {stage['start_step']} is not before the last step (steps="
+                            f"{c['steps']}): its weights are not used in this run")
     if c["profiler"] and c["profiler_start_step"] > c["steps"]:
         warnings.append(f"profiler_start_step: {c['profiler_start_step']} is after the last step (steps="
                         f"{c['steps']}): profiler={c['profiler']} traces nothing")

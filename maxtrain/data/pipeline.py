@@ -22,12 +22,10 @@ import jax
 import numpy as np
 
 from maxtrain.config.load import Config
-from maxtrain.data import rows as rows_lib, sources
+from maxtrain.data import rows as rows_lib
 from maxtrain.data.rows import BATCH_DTYPES, BATCH_KEYS  # noqa: F401 (the batch's layout, for the step)
 from maxtrain.data.sources import DataError, DataReadError  # noqa: F401 (raised by the readers)
-from maxtrain.data.tokenizer import Tokenizer, make_tokenizer
-from maxtrain.runtime.wording import counted
-from maxtrain.runtime.errors import ConfigError
+from maxtrain.data.tokenizer import make_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # Synthetic data
@@ -224,6 +222,11 @@ class Batches:
             except StopIteration:
                 return
 
+    @property
+    def position(self):
+        """The reader's position after the last batch handed out (this process's part of it)."""
+        return self._position
+
     def get_state(self) -> dict:
         return self.reader.global_state(self._position)
 
@@ -257,96 +260,31 @@ def host_region(batch_sharding, shape) -> tuple[int, int, slice]:
 # The config's pipelines
 
 
-def _check_tokenizer(corpus, tokenizer: Tokenizer, key: str) -> None:
-    def describe(t: dict) -> str:
-        file = f", file sha256 {t['sha256'][:12]}" if t.get("sha256") else ""
-        return f"{t['type']} (vocab {t['vocab_size']}{file}, bos {t['bos_id']}, eos {t['eos_id']})"
-    if corpus.tokenizer != tokenizer.identity():
-        raise ConfigError(key, f"{corpus.directory} was prepared with the tokenizer {describe(corpus.tokenizer)}, "
-                          f"this config's is {describe(tokenizer.identity())}: set tokenizer_type, tokenizer_path, "
-                          "add_bos and add_eos as when it was prepared")
-
-
-def _prepared(c: Config, tokenizer: Tokenizer, lanes: range):
-    from maxtrain.data.prepared import Corpus, PreparedReader
-    corpus = Corpus(c.train_files)
-    _check_tokenizer(corpus, tokenizer, "train_files")
-    n = corpus.windows(c.max_target_length) if c.packing else corpus.documents
-    if n == 0:
-        raise DataError(f"{corpus.directory}: {corpus.tokens} tokens, not one row of {c.max_target_length + 1}")
-    held = max(1, int(n * c.eval_split_fraction)) if c.eval_split_fraction and not c.eval_files else 0
-    train = PreparedReader(corpus, c, lanes, 0, n - held, train=True)
-    unit = "rows" if c.packing else "documents"
-    lines = [f"data: prepared {corpus.describe()}; {n - held:,} {unit} of {c.max_target_length} tokens shuffled "
-             f"globally by index (data_shuffle_seed={c.data_shuffle_seed})"]
-    if c.eval_files:
-        eval_corpus = Corpus(c.eval_files)
-        _check_tokenizer(eval_corpus, tokenizer, "eval_files")
-        count = eval_corpus.windows(c.max_target_length) if c.packing else eval_corpus.documents
-        evaluation = PreparedReader(eval_corpus, c, lanes, 0, count, train=False)
-        lines.append(f"data (eval): prepared {eval_corpus.describe()}")
-    elif held:
-        evaluation = PreparedReader(corpus, c, lanes, n - held, held, train=False)
-        lines.append(f"data (eval): the last {held:,} {unit} (eval_split_fraction={c.eval_split_fraction})")
-    else:
-        evaluation = None
-    return train, evaluation, lines
-
-
-def _streamed(c: Config, tokenizer: Tokenizer, lanes: range):
-    from maxtrain.data.streamed import Stream, StreamedReader
-    files = sources.expand(c.train_files, "train_files")
-    pieces = tuple(sources.pieces(files, c.dataset_type))
-    if sources.first_document(files, c.dataset_type, c.text_field, lambda t: len(tokenizer.encode(t)) >= 2) is None:
-        raise DataError(f"{c.train_files}: no document has two tokens or more (add_bos={c.add_bos}, "
-                        f"add_eos={c.add_eos}): nothing to train on")
-    common = dict(rows=c.global_batch_size, length=c.max_target_length, seed=c.data_shuffle_seed,
-                  window=c.grain_shuffle_buffer_size, packing=c.packing, text_field=c.text_field, tokenizer=tokenizer)
-    held = c.eval_split_fraction if not c.eval_files else 0.0
-    stream = Stream(pieces, shuffle=True, epochs=c.num_epochs, holdout=held, **common)
-    lines = [f"data: streamed {counted(len(files), 'file')} ({counted(len(pieces), 'piece')}), each row of the "
-             "batch reading its own share; file order shuffled every epoch, documents in windows of "
-             f"grain_shuffle_buffer_size={c.grain_shuffle_buffer_size} (data_shuffle_seed={c.data_shuffle_seed})"]
-    workers = max(c.grain_worker_count, 0)  # -1 is resolved by the platform defaults
-    train = StreamedReader(stream, lanes, "any", workers)
-    if workers:
-        lines[0] += f"; {workers} worker processes read this host's rows"
-    if c.eval_files:
-        eval_files = sources.expand(c.eval_files, "eval_files")
-        eval_stream = Stream(tuple(sources.pieces(eval_files, c.dataset_type)), shuffle=False, epochs=1, **common)
-        lines.append(f"data (eval): streamed {counted(len(eval_files), 'file')}")
-    elif held:
-        eval_stream = Stream(pieces, shuffle=False, epochs=1, holdout=held, eval_side=True, **common)
-        lines.append(f"data (eval): the documents a hash of their place holds out (eval_split_fraction={held})")
-    else:
-        return train, None, lines
-    return train, StreamedReader(eval_stream, lanes, "all"), lines
-
-
 def make_iterators(c: Config, batch_sharding, say=None):
-    """(train batches, factory of fresh eval batches or None). Each reads its first batch before returning:
-    a bad file or tokenizer is one line and exit 2 before anything is written."""
-    if c.dataset_type == "synthetic":
-        return SyntheticIterator(c, batch_sharding), None
+    """(train batches, {eval name: factory of fresh eval batches}; empty without eval data). Each reads its
+    first batch before returning: a bad file or tokenizer is one line and exit 2 before anything is written.
+    The eval name is the eval source's ("" for eval_files or a held-out part of train_files)."""
+    if c.dataset_type == "synthetic" and not c.data_sources:
+        return SyntheticIterator(c, batch_sharding), {}
+    from maxtrain.data.readers import make_readers
     tokenizer = make_tokenizer(c)
     share, shares, _ = host_region(batch_sharding, (c.global_batch_size, c.max_target_length))
     per_share = c.global_batch_size // shares
     lanes = range(share * per_share, (share + 1) * per_share)  # processes that share rows read alike
-    make = _prepared if c.dataset_type == "prepared" else _streamed
-    train_reader, eval_reader, lines = make(c, tokenizer, lanes)
+    train_reader, eval_readers, lines = make_readers(c, tokenizer, lanes)
     for line in lines:
         (say or (lambda *_: None))(line)
     batches = Batches(train_reader, c, batch_sharding)
     batches.prime()
-    if eval_reader is None:
-        return batches, None
-
-    def make_eval():
-        return Batches(eval_reader, c, batch_sharding, pad_after_end=jax.process_count() > 1)
-    first = make_eval()
-    first.prime()  # the eval files are checked now too
-    first.close()
-    return batches, make_eval
+    evals = {}
+    for name, reader in eval_readers.items():
+        def make_eval(reader=reader):
+            return Batches(reader, c, batch_sharding, pad_after_end=jax.process_count() > 1)
+        first = make_eval()
+        first.prime()  # the eval files are checked now too
+        first.close()
+        evals[name] = make_eval
+    return batches, evals
 
 
 def make_iterator(c: Config, batch_sharding):

@@ -234,10 +234,10 @@ class PreparedReader:
     grain's index shuffle, a new permutation each epoch; global row g of a run is step g // R, row g % R.
     The position is the step: nothing else to save."""
 
-    def __init__(self, corpus: Corpus, c, lanes: range, first: int, count: int, train: bool):
+    def __init__(self, corpus: Corpus, c, lanes: range, first: int, count: int, train: bool, seed: int | None = None):
         self.corpus, self.lanes, self.first, self.count, self.train = corpus, lanes, first, count, train
-        self.rows, self.length, self.packing, self.seed = c.global_batch_size, c.max_target_length, c.packing, \
-            c.data_shuffle_seed
+        self.rows, self.length, self.packing = c.global_batch_size, c.max_target_length, c.packing
+        self.seed = c.data_shuffle_seed if seed is None else seed
         if train:
             self.steps = None if c.num_epochs == -1 else c.num_epochs * count // self.rows
         else:
@@ -263,16 +263,19 @@ class PreparedReader:
             np.zeros((n, length + 1), bool)
         for r, j in enumerate(self.lanes):
             g = step * self.rows + j
-            if not self.train and g >= self.count:
-                continue  # the eval part ended: padding
-            index = self.first + (self.shuffled(g) if self.train else g)
-            if self.packing:
-                t, d = self.corpus.window(index, length)
-                docs[r, :len(t)] = d
-            else:
-                t = self.corpus.document(index, length)
-            tokens[r, :len(t)], valid[r, :len(t)] = t, True
+            if self.train or g < self.count:  # else the eval part ended: padding
+                self.row(g, tokens[r], docs[r], valid[r])
         return rows_lib.features(tokens, docs, valid)
+
+    def row(self, g: int, tokens_L1: np.ndarray, docs_L1: np.ndarray, valid_L1: np.ndarray) -> None:
+        """Fills global row g of the run (training: the g-th row drawn, shuffled; eval: row g in order)."""
+        index = self.first + (self.shuffled(g) if self.train else g)
+        if self.packing:
+            t, d = self.corpus.window(index, self.length)
+            docs_L1[:len(t)] = d
+        else:
+            t = self.corpus.document(index, self.length)
+        tokens_L1[:len(t)], valid_L1[:len(t)] = t, True
 
     def shuffled(self, g: int) -> int:
         """Global row g's place in the corpus: grain's index shuffle, seeded anew each epoch (as its

@@ -51,6 +51,9 @@ class Stream:
         first = lane % n
         return [(int(order[first]), len(range(first, self.rows, n)), lane // n)]
 
+    def rows_for(self, lanes: range, states, stop_when: str) -> "StreamedRows":
+        return StreamedRows(self, lanes, states, stop_when)
+
     def kept(self, piece: Piece, index: int) -> bool:
         """Whether document `index` of `piece` belongs to this stream's side of the held-out split."""
         if not self.holdout:
@@ -190,12 +193,12 @@ class StreamedRows:
 
 
 class WorkerRows:
-    """StreamedRows with this process's lanes split between `workers` processes (spawned, each a contiguous
+    """StreamedRows (or a mixture's MixedRows: `stream` is what makes the rows) with this process's lanes split between `workers` processes (spawned, each a contiguous
     group of lanes): reading, parsing and tokenizing on several cores. Each worker sends its rows of every
     batch with its lanes' positions; they are joined in lane order, so the batches are the same whatever
     the number of workers."""
 
-    def __init__(self, stream: Stream, lanes: range, states: list | None, stop_when: str, workers: int):
+    def __init__(self, stream, lanes: range, states: list | None, stop_when: str, workers: int):
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")  # no fork of a process whose runtime holds threads
         bounds = np.linspace(lanes.start, lanes.stop, workers + 1).round().astype(int)
@@ -248,12 +251,13 @@ class WorkerRows:
                 p.terminate()
 
 
-def _work(stream: Stream, lanes: range, states, stop_when: str, q) -> None:
-    """A worker process: its lanes' rows, batch after batch, until they end or the parent stops it."""
+def _work(stream, lanes: range, states, stop_when: str, q) -> None:
+    """A worker process: its lanes' rows (of a Stream, or a mixture's), batch after batch, until they end or
+    the parent stops it."""
     import os
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism
     try:
-        for batch, lane_states in StreamedRows(stream, lanes, states, stop_when):
+        for batch, lane_states in stream.rows_for(lanes, states, stop_when):
             q.put(("rows", batch, lane_states))
         q.put(("end",))
     except DataError as e:

@@ -40,3 +40,41 @@ class DataWatch:
                 f"(the input pipeline makes {tokens / max(busy, 1e-9):,.0f} tokens/s per host, the step consumes "
                 f"{consumed:,.0f}); more grain_worker_count, or dataset_type=prepared, would help")
         return {"data_wait_fraction": fraction}
+
+
+class MixtureWatch:
+    """A mixture's realized shares (data_sources): at every logged step each source's share of the tokens the
+    steps since the last log line drew (`data/<name>/token_fraction`, counted by the step itself, so exact over
+    every process) and how many times it has been read (`data/<name>/epochs`); a source read whole, or used up,
+    is said once."""
+
+    def __init__(self, batches, c):
+        self.batches, self.names = batches, list(c.data_sources)
+        self.tokens = [0] * len(self.names)
+        self.said_repeat: set[str] = set() if c.data_source_exhausted == "repeat" else set(self.names)  # (drop: events)
+        self.events = list(getattr(getattr(batches, "reader", None), "events", []))  # (step, what) of the schedule
+
+    def add(self, m: dict) -> None:
+        """Every step's metrics: takes its per-source token counts out of them."""
+        counts = m.pop("source_tokens", None)
+        if counts is not None:
+            self.tokens = [a + int(b) for a, b in zip(self.tokens, counts)]
+
+    def read(self, step: int) -> dict:
+        if not self.names:
+            return {}
+        total = max(sum(self.tokens), 1)
+        out = {f"{name}/token_fraction": n / total for name, n in zip(self.names, self.tokens)}
+        self.tokens = [0] * len(self.names)
+        reader = getattr(self.batches, "reader", None)
+        epochs = reader.epochs(self.batches.position) if hasattr(reader, "epochs") else {}
+        out |= {f"{name}/epochs": e for name, e in epochs.items()}
+        for name, e in epochs.items():
+            if e >= 1 and name not in self.said_repeat:
+                self.said_repeat.add(name)
+                say(f"data: source {name} has been read whole (by step {step}); it repeats from its start, in a new "
+                    "order (data_source_exhausted=repeat)")
+        while self.events and self.events[0][0] <= step:
+            at, what = self.events.pop(0)
+            say(f"data: at step {at}: {what}")
+        return out

@@ -124,7 +124,8 @@ def format_line(step: int, total: int, m: dict[str, float], eta_seconds: float |
 
 
 def format_eval_line(step: int, total: int, e: dict, seconds: float, eta_seconds: float | None) -> str:
-    return (f"eval {step_of(step, total)} | loss {e['loss']:.4f} | perplexity {e['perplexity']:.3f} | "
+    named = "".join(f" | {name} {x['loss']:.4f}" for name, x in e.get("sources", {}).items())
+    return (f"eval {step_of(step, total)} | loss {e['loss']:.4f} | perplexity {e['perplexity']:.3f}{named} | "
             f"{e['tokens']:,.0f} tokens | {seconds:.1f} s" + (f" | ETA {duration(eta_seconds)}"
                                                               if eta_seconds is not None else ""))
 

@@ -150,8 +150,8 @@ class _WandbRun:
         self._last = -1
 
     def write(self, step: int, row: dict) -> None:
-        if step <= self._last:  # W&B refuses steps that go back (a rollback's repeats): they keep the first values
-            return
+        if step < self._last:  # W&B refuses steps that go back (a rollback's repeats): they keep the first values
+            return  # (the same step again adds to it: the eval or the mixture's figures of a logged step)
         self._last = step
         self._run.log({k: v for k, v in row.items() if v is not None}, step=step)
 

@@ -18,7 +18,7 @@ from maxtrain.data import pipeline as data
 from maxtrain.runtime import errors, run_dir as run_dir_lib
 from maxtrain.observe import fit, metrics as metrics_lib, writers as metric_writers, profiler as profiler_lib
 from maxtrain.observe import progress, run_record
-from maxtrain.observe.data_watch import DataWatch
+from maxtrain.observe.data_watch import DataWatch, MixtureWatch
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain.runtime.interrupts import Preemption
@@ -34,9 +34,9 @@ class TrainLoop:
     `compiling`: the train step being compiled (a future of (executable, seconds)) since `t_compile`.
     `samples`: continuations to print and log every sample_interval steps (maxtrain.training.samples), or None."""
 
-    def __init__(self, c: config_lib.Config, trainer: step_lib.Trainer, batches, make_eval_iterator, run_dir,
+    def __init__(self, c: config_lib.Config, trainer: step_lib.Trainer, batches, evals, run_dir,
                  created: bool, compiling, t_compile: float, samples=None):
-        self.c, self.trainer, self.batches, self.make_eval_iterator = c, trainer, batches, make_eval_iterator
+        self.c, self.trainer, self.batches, self.evals = c, trainer, batches, evals
         self.samples = samples
         self.run_dir, self.created, self.compiling, self.t_compile = run_dir, created, compiling, t_compile
         self.tokens_per_step = c.global_batch_size * c.max_target_length
@@ -52,7 +52,7 @@ class TrainLoop:
         self.saved_step = self.evaluated_step = None
         self.preempted = self.exhausted = self.rolled_back = False
         self.history, self.eval_history = [], []
-        self.data_watch = DataWatch(batches, c)
+        self.data_watch, self.mixture_watch = DataWatch(batches, c), MixtureWatch(batches, c)
 
     def run(self) -> dict:
         """Trains; returns per-step losses and the final state."""
@@ -114,7 +114,8 @@ class TrainLoop:
             try:
                 batch = next(self.batches)
             except StopIteration:
-                say(f"data exhausted after num_epochs={c.num_epochs} at step {step}")
+                say(f"data exhausted at step {step}: " + ("every source of data_sources is used up" if c.data_sources
+                                                          else f"num_epochs={c.num_epochs}"))
                 self.exhausted = True
                 break
             self.profiler.before_step(step + 1)
@@ -124,7 +125,7 @@ class TrainLoop:
             self.preempted = self.preemption.reached(step)
             must_save = self.checkpointer is not None and (self.preempted or step == c.steps or
                                                            self.checkpointer.due(step))
-            must_eval = bool(self.make_eval_iterator and c.eval_interval and
+            must_eval = bool(self.evals and c.eval_interval and
                              (step % c.eval_interval == 0 or step == c.steps))
             must_sample = self.samples is not None and self.samples.due(step)
             to_read = [pending] if pending is not None else []
@@ -164,6 +165,7 @@ class TrainLoop:
         c = self.c
         m = {k: v.tolist() if v.ndim else float(v) for k, v in jax.device_get(device_metrics).items()}
         bad = m["nonfinite"] > 0
+        self.mixture_watch.add(m)
         m["nonfinite_steps"] = self.guard.count + bad
         self.history.append(m["loss"])
         if self.checkpointer is not None:
@@ -186,6 +188,8 @@ class TrainLoop:
                  **({"mfu": mfu} if mfu is not None else {}), **self.data_watch.read(now, first, seconds))
         say(metrics_lib.format_line(step_done, c.steps, m, self.eta(step_done)))
         self.writer.write(step_done, m)
+        if mixture := self.mixture_watch.read(step_done):
+            self.writer.write(step_done, mixture, prefix="data")
         return self.guard.on_bad_step(step_done, self.last_trusted()) if bad else None
 
     def save(self, step_done: int) -> str | None:
@@ -206,12 +210,13 @@ class TrainLoop:
     def evaluate(self, step_done: int) -> None:
         c, t0 = self.c, time.perf_counter()
         with progress.heartbeat(f"evaluating at {metrics_lib.step_of(step_done, c.steps)}"):
-            e = evaluation.evaluate(c, self.trainer, self.state.params, self.make_eval_iterator)
+            e = evaluation.evaluate(c, self.trainer, self.state.params, self.evals)
         self.last_time += time.perf_counter() - t0  # keep eval out of the step-time window
         self.evaluated_step = step_done
         self.eval_history.append(e["loss"])
         say(metrics_lib.format_eval_line(step_done, c.steps, e, time.perf_counter() - t0, self.eta(step_done)))
-        self.writer.write(step_done, e, prefix="eval")
+        self.writer.write(step_done, {k: v for k, v in e.items() if k != "sources"} | {
+            f"{name}/{k}": v for name, x in e.get("sources", {}).items() for k, v in x.items()}, prefix="eval")
 
     def sample(self, step_done: int) -> None:
         t0 = time.perf_counter()
@@ -253,7 +258,7 @@ class TrainLoop:
         if self.exhausted and last > self.first_step:
             if self.checkpointer is not None and self.saved_step != last:
                 self.save(last)  # a non-finite state is not saved; the run ends on the data either way
-            if self.make_eval_iterator and c.eval_interval and self.evaluated_step != last:
+            if self.evals and c.eval_interval and self.evaluated_step != last:
                 self.evaluate(last)
 
     def clean_up(self, failure: BaseException | None) -> None:

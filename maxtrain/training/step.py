@@ -115,10 +115,13 @@ class Trainer:
     to_saved: Callable[[Any], Any] = lambda tree: tree  # noqa: E731 (the identity: _same, defined below)
     to_run: Callable[[Any], Any] = lambda tree: tree
 
+    mixed: bool = False  # the batch carries each token's source (data_sources): the step counts them
+
     def abstract_batch(self) -> dict:
         """Shapes, dtypes and shardings of one global batch, for lowering without data."""
+        dtypes = {**BATCH_DTYPES, **({"source_ids": np.int32} if self.mixed else {})}
         return {k: jax.ShapeDtypeStruct(self.global_batch_shape, dtype, sharding=self.batch_sharding)
-                for k, dtype in BATCH_DTYPES.items()}
+                for k, dtype in dtypes.items()}
 
     def compile_train_step(self):
         """`train_step` compiled ahead of time for the state and batch layout, without any data.
@@ -180,7 +183,8 @@ def build(c: Config, mesh) -> Trainer:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_shardings)
     trainer = Trainer(model, tx, mesh, rules, state_shardings, param_specs, batch_sharding, init,
-                      train_step, eval_step, abstract, (c.global_batch_size, c.max_target_length), notes)
+                      train_step, eval_step, abstract, (c.global_batch_size, c.max_target_length), notes,
+                      mixed=bool(c.data_sources))
     if to_run_order is not _same:
         def convert(fn, donate):  # for a state or its params: runs once per save or restore
             jitted = {kind: jax.jit(fn, out_shardings=shardings, donate_argnums=(0,) if donate else ())
@@ -230,8 +234,14 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
 
     balance = load_balancer(c)
 
+    sources = len(c.data_sources)
+
     def step(state: TrainState, batch: dict):
         checksum = rows.checksum(batch, jnp)  # of the batch as the data pipeline made it
+        if sources:  # each source's tokens in this batch (the realized mixture), then the model's inputs alone
+            source_ids = batch.pop("source_ids")
+            drawn = batch["segment_ids"] > 0
+            source_tokens = jnp.stack([jnp.sum(drawn & (source_ids == i), dtype=jnp.int32) for i in range(sources)])
         batch = balance(mtp.shifted(batch, c.mtp_num_layers))  # the depths' targets, shifted in sequence order
         tokens = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
         if accum == 1:
@@ -259,6 +269,8 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
         params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": aux["tokens"], "nonfinite": 1.0 - finite.astype(jnp.float32), "batch_checksum": checksum}
+        if sources:
+            metrics["source_tokens"] = source_tokens
         if "mtp_loss_sum" in aux:  # the depths' mean cross-entropy over their targets
             metrics["mtp_loss"] = aux["mtp_loss_sum"] / jnp.maximum(aux["mtp_tokens"], 1.0)
         if moe_layers is not None:  # per MoE layer, each expert's share of the routed assignments

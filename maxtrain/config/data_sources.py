@@ -1,0 +1,92 @@
+"""The checks of a mixture's keys (data_sources, data_stages, data_source_exhausted, eval_sources), each a
+ConfigError naming the key, down to the source and stage: `data_stages[1].weights.web`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maxtrain.config.keys import CHOICES, RUN_NAME, ConfigError
+from maxtrain.runtime import storage
+
+
+SOURCE_KEYS = {"files": str, "weight": float, "dataset_type": str, "text_field": str}
+
+
+def _sources(c: dict[str, Any], key: str, weighted: bool) -> None:
+    """data_sources / eval_sources: name -> {files, (weight,) dataset_type, text_field}."""
+    if not isinstance(c[key], dict):
+        raise ConfigError(key, "must be a mapping of name: {files: ...}")
+    allowed = [k for k in SOURCE_KEYS if weighted or k != "weight"]
+    for name, spec in c[key].items():
+        where = f"{key}.{name}"
+        if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
+            raise ConfigError(where, "a source's name is a plain word (letters, digits, '.', '_', '-'): it names "
+                              "its metrics")
+        if not isinstance(spec, dict):
+            raise ConfigError(where, f"must be a mapping like {{files: \"data/*.jsonl\"{', weight: 0.5' if weighted else ''}}}")
+        for k, v in spec.items():
+            if k not in allowed:
+                raise ConfigError(f"{where}.{k}", f"unknown; a source takes {', '.join(allowed)}")
+            kind = SOURCE_KEYS[k]
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else isinstance(v, kind)):
+                raise ConfigError(f"{where}.{k}", f"expected {'a number' if kind is float else 'a string'}, got {v!r}")
+        for k in ("files", "weight") if weighted else ("files",):
+            if k not in spec or (k == "files" and not spec[k].strip()):
+                raise ConfigError(f"{where}.{k}", "missing" if k not in spec else "is empty")
+        if weighted and spec["weight"] < 0:
+            raise ConfigError(f"{where}.weight", f"must be >= 0, got {spec['weight']}")
+        if spec.get("dataset_type", "text") not in CHOICES["dataset_type"][1:]:
+            raise ConfigError(f"{where}.dataset_type", f"{spec['dataset_type']!r} is not one of "
+                              f"{', '.join(CHOICES['dataset_type'][1:])}")
+        for value in spec["files"].split(","):
+            storage.check(value.strip(), f"{where}.files")
+
+
+def validate_sources(c: dict[str, Any]) -> None:
+    """data_sources, data_stages, eval_sources and the keys they replace."""
+    _sources(c, "data_sources", weighted=True)
+    _sources(c, "eval_sources", weighted=False)
+    if c["eval_sources"] and c["eval_files"]:
+        raise ConfigError("eval_files", "set either eval_files or eval_sources (each evaluated on its own), not both")
+    sources = c["data_sources"]
+    if not sources:
+        for key in ("data_stages", "data_source_exhausted"):
+            if c[key] != {"data_stages": [], "data_source_exhausted": "repeat"}[key]:
+                raise ConfigError(key, "applies to a mixture: set data_sources")
+        return
+    for key, why in (("train_files", "data_sources replaces it (a mixture of one is a source of weight 1)"),
+                     ("eval_files", "use eval_sources with data_sources"),
+                     ("num_epochs", "with data_sources each source repeats or is dropped when used up "
+                                    "(data_source_exhausted); end the run with steps")):
+        if c[key] != {"train_files": "", "eval_files": "", "num_epochs": -1}[key]:
+            raise ConfigError(key, f"{c[key]!r}: {why}")
+    if sum(s["weight"] for s in sources.values()) <= 0:
+        raise ConfigError("data_sources", "every weight is 0: give at least one source a positive weight")
+    stages = c["data_stages"]
+    if not isinstance(stages, list):
+        raise ConfigError("data_stages", "must be a list of {start_step: N, weights: {name: w, ...}}")
+    last = 0
+    for n, stage in enumerate(stages):
+        where = f"data_stages[{n}]"
+        if not isinstance(stage, dict) or set(stage) != {"start_step", "weights"}:
+            raise ConfigError(where, "must be {start_step: N, weights: {name: w, ...}}")
+        start, weights = stage["start_step"], stage["weights"]
+        if not isinstance(start, int) or isinstance(start, bool) or start <= last:
+            raise ConfigError(f"{where}.start_step", f"{start!r}: must be an integer after "
+                              + (f"the previous stage's ({last})" if n else "0") + ": stages in order of their steps")
+        last = start
+        if not isinstance(weights, dict):
+            raise ConfigError(f"{where}.weights", "must be a mapping of source name: weight")
+        unknown = [k for k in weights if k not in sources]
+        if unknown:
+            raise ConfigError(f"{where}.weights", f"names {unknown[0]!r}, not a source of data_sources "
+                              f"({', '.join(sources)})")
+        missing = [k for k in sources if k not in weights]
+        if missing:
+            raise ConfigError(f"{where}.weights", f"gives no weight to {', '.join(missing)}: name every source "
+                              "(0 leaves one out)")
+        for k, w in weights.items():
+            if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0:
+                raise ConfigError(f"{where}.weights.{k}", f"must be a number >= 0, got {w!r}")
+        if sum(weights.values()) <= 0:
+            raise ConfigError(f"{where}.weights", "every weight is 0: give at least one source a positive weight")
