@@ -26,7 +26,7 @@ from maxtrain.config import help as cli_help, keys as config_keys, load as confi
 from maxtrain.config import platform_defaults, resolve  # noqa: E402
 from maxtrain.observe import fit, metrics, progress, summary  # noqa: E402
 from maxtrain.parallel import mesh as mesh_lib  # noqa: E402
-from maxtrain.runtime import errors  # noqa: E402
+from maxtrain.runtime import errors, interrupts  # noqa: E402
 from maxtrain.training import step as step_lib  # noqa: E402
 
 # HBM per chip (GiB) and how the -N suffix counts: TensorCores for v4/v5p, chips for v5e/v6e.
@@ -96,6 +96,7 @@ def topology_desc(name: str, spec: str, num_slices: int):
 def compile_for(c_static: config_lib.Config) -> int:
     gen, spec, hbm_per_chip, chips = topology(c_static.compile_topology)
     desc = topology_desc(c_static.compile_topology, spec, c_static.compile_topology_num_slices)
+    interrupts.rearm()  # libtpu, loaded just now, installed its own SIGTERM handler (a stack dump)
     devices = desc.devices
     c = resolve.resolve(c_static, len(devices), resolve.num_slices(devices), "tpu")
     hbm = hbm_per_chip * chips * c.compile_topology_num_slices / len(devices)  # per device
@@ -153,9 +154,11 @@ FLOPs per step; exit 1 if it would not fit. Needs libtpu: pip install -e ".[tpu]
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    from_shell, argv = argv is None, sys.argv[1:] if argv is None else argv
     if (code := cli_help.handle(argv, USAGE)) is not None:
         return code
+    if from_shell:
+        interrupts.watch("the compile")  # Ctrl-C or SIGTERM: one line, never libtpu's stack dump
 
     def run():
         c = config_lib.load(argv)

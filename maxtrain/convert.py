@@ -1,5 +1,5 @@
-"""HuggingFace <-> maxtrain parameter checkpoints for the Llama family (Llama, Mistral without sliding
-window, Qwen2), its mixtures of experts (Mixtral, Qwen3-MoE) and the other families in maxtrain/models.
+"""HuggingFace <-> maxtrain parameter checkpoints for the Llama family (Llama, Mistral with its sliding window
+or without, Qwen2), its mixtures of experts (Mixtral, Qwen3-MoE) and the other families in maxtrain/models.
 
 Each family's HF layout and config mapping is in its module in maxtrain/models; the file machinery in
 maxtrain.checkpoint.hf_format.
@@ -42,7 +42,7 @@ from maxtrain.runtime.errors import ConvertError
 from maxtrain.checkpoint.hf_format import (HF_SIDE_FILES, SafetensorsDir, Tensor, hf_names, read_json,
                                 tokenizer_settings)
 from maxtrain.models import stacks as stacks_lib
-from maxtrain.models.hf import hf_config_for, hf_kind, model_keys_from_hf, with_defaults
+from maxtrain.models.hf import hf_config_for, hf_kind, model_keys_from_hf, supported, with_defaults
 from maxtrain.models.hf_tensors import FUSED_EXPERTS_NAME, LayerTensors, mtp_copies, mtp_depths, tensor_table
 from maxtrain.checkpoint.staging import check_out, staged, unwritable
 
@@ -259,7 +259,8 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
             if source_dir and (source_dir / name).is_file():
                 (tmp / name).write_bytes((source_dir / name).read_bytes())  # new files: the umask's modes
         from_run = export_tokenizer.write(run, tmp) if run else {}
-        hf = hf_config_for(m, dtype, source, max_positions or from_run.pop("max_position_embeddings", None))
+        run_context = from_run.pop("max_position_embeddings", None)  # the run's max_target_length
+        hf = hf_config_for(m, dtype, source, max_positions or m.get("max_position_embeddings") or run_context)
         hf |= from_run  # the run's special token ids
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out_path
@@ -287,7 +288,9 @@ def _name_shards(tmp: Path, shard_names: list[list[str]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     # Raw: the epilog's lines are commands to copy; argparse would rewrap them at any hyphen.
-    parser = argparse.ArgumentParser(prog="python -m maxtrain.convert", description=__doc__.split("\n\n")[0],
+    types = f"HF model_types converted: {', '.join(supported())} (config.json's model_type)."
+    parser = argparse.ArgumentParser(prog="python -m maxtrain.convert", description=f"{__doc__.split(chr(10) * 2)[0]}"
+                                     f"\n\n{types}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f"python -m maxtrain.convert COMMAND --help: that command's options.\n"
                                             f"{cli_help.where_keys_are()}")
@@ -303,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=config_keys.DTYPES, help="default: the checkpoint's parameter dtype")
     exp.add_argument("--hf_source", help="HF directory whose other settings and tokenizer files to carry over "
                      "(default: found from an imported checkpoint or a run that started from one)")
-    exp.add_argument("--max_position_embeddings", type=int, help="default: the HF source's, else the run's "
-                     "max_target_length (else 4096)")
+    exp.add_argument("--max_position_embeddings", type=int, help="default: the model's (the HF source's, or "
+                     "the max_position_embeddings key), else the run's max_target_length (else 4096)")
     exp.add_argument("--max_shard_mb", type=int, default=2048, help="safetensors file size limit")
     args = parser.parse_args(argv)
     platform_env.quiet_without_accelerators()

@@ -30,18 +30,19 @@ PROMPT_KEYS = ("prompt", "prompt_ids", "prompt_file")
 
 
 def check_length(c: config_lib.Config, prompts: list[list[int]], key: str) -> None:
-    """Each prompt and its new tokens fit the context the model runs at: RoPE would go on past it, but
-    into positions the model never saw (raise max_target_length to allow that). Checked before anything
-    is built or compiled."""
+    """Each prompt and its new tokens fit the context the model runs at (the longer of max_target_length, the
+    run's, and max_position_embeddings, the model's own): RoPE would go on past it, but into positions the model
+    never saw. Checked before anything is built or compiled."""
     longest = max(len(p) for p in prompts)
-    room = c.max_target_length - longest
+    context, name = max((c.max_target_length, "max_target_length"), (c.max_position_embeddings,
+                                                                      "max_position_embeddings"))
+    room = context - longest
     if room <= 0:
-        raise config_keys.ConfigError(key, f"{longest} tokens leave no room for new ones in "
-                                           f"max_target_length={c.max_target_length}")
+        raise config_keys.ConfigError(key, f"{longest} tokens leave no room for new ones in {name}={context}")
     if c.max_new_tokens > room:
         raise config_keys.ConfigError("max_new_tokens", f"{c.max_new_tokens} after a {longest}-token prompt "
-                                      f"exceeds max_target_length={c.max_target_length}, the context the model "
-                                      f"runs at: at most {room} (raise max_target_length to go further)")
+                                      f"exceeds {name}={context}, the context the model runs at: at most {room} "
+                                      f"(raise {name} to go further)")
 
 
 def read_prompt_file(value: str) -> list[str]:

@@ -24,11 +24,11 @@ import time
 from maxtrain.config import load as config_lib, platform_defaults, help as cli_help, run_name as run_name_lib
 
 from maxtrain.config import validate as config_validate
-from maxtrain.runtime import errors, distributed, platform_env, run_dir as run_dir_lib
+from maxtrain.runtime import errors, distributed, platform_env, run_dir as run_dir_lib, storage
 from maxtrain.data import pipeline as data
 from maxtrain.observe import fit, writers as metric_writers, progress, run_record, summary
 from maxtrain.parallel import mesh as mesh_lib
-from maxtrain.training import step as step_lib
+from maxtrain.training import optimizer, step as step_lib
 from maxtrain.runtime.startup import load_config, say
 from maxtrain.training.loop import TrainLoop
 from maxtrain.training.samples import Samples
@@ -51,13 +51,19 @@ def train(c: config_lib.Config, devices=None) -> dict:
     trainer = step_lib.build(c, mesh)
     active = f" ({c.num_active_params:,} active)" if c.num_active_params != c.num_params else ""
     say(f"maxtrain: {c.num_params:,} parameters{active} | mesh {c.mesh_shape} | global batch "
-        f"{c.global_batch_size} x {c.max_target_length} tokens | remat {c.remat_policy} | "
+        f"{c.global_batch_size} x {c.max_target_length} tokens | {optimizer.describe_schedule(c)} | remat {c.remat_policy} | "
         f"{platform_defaults.summary(c)}")
     for note in trainer.notes:
         say(note)
     if c.dry_run:
         dry_run(c, trainer)
         return {}
+    from maxtrain.checkpoint.finished import finished_step
+    if (done := finished_step(c)) is not None:  # before the data, the restore and the compile
+        run_dir = storage.path(c.base_output_directory, "base_output_directory") / c.run_name
+        say(f"nothing to do: run {c.run_name} is finished (at step {done} of steps={c.steps}); its outputs are in "
+            f"{run_dir} (raise steps to train on)")
+        return {"losses": [], "state": None, "finished": done}
     fit.check_state(trainer)  # before init allocates it
     # Read data files and tokenizer before writing anything: bad input fails cleanly.
     batches, evals = data.make_iterators(c, trainer.batch_sharding, say)
@@ -72,13 +78,17 @@ def train(c: config_lib.Config, devices=None) -> dict:
     return TrainLoop(c, trainer, batches, evals, run_dir, created, compiling, t_compile, samples).run()
 
 
-USAGE = """usage: python -m maxtrain.train CONFIG.yml [key=value ...]
+PRINT_CONFIG = "--print-config"
+USAGE = """usage: python -m maxtrain.train CONFIG.yml [key=value ...] [--print-config]
        python -m maxtrain.train --help-keys [PATTERN]
+       python -m maxtrain.train --list-presets
 
 Trains the decoder CONFIG.yml describes; key=value pairs override the files. Outputs go to
 base_output_directory/run_name/ (without a run_name: one derived from the config file's name and the keys
 that define the model, optimizer and data, so the same command resumes the same run). Ctrl-C or SIGTERM
-saves the current step and stops (a rerun resumes); a third Ctrl-C quits without that save."""
+saves the current step and stops (a rerun resumes); a third Ctrl-C quits without that save. --print-config
+prints the config as the run would resolve it (platform defaults, mesh, derived values) and runs nothing;
+--list-presets lists the model_name presets."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,8 +97,21 @@ def main(argv: list[str] | None = None) -> int:
         return code
     platform_env.quiet_without_accelerators()
 
+    print_config = PRINT_CONFIG in argv
+
     def run():
-        c = load_config(argv)
+        c = load_config([a for a in argv if a != PRINT_CONFIG])
+        if print_config:  # the config as this run would resolve it on these devices; nothing runs
+            import jax
+            import yaml
+            from maxtrain.config import load as config_load, resolve
+            derived = {k: c[k] for k in (*config_load.DERIVED_AT_LOAD, *resolve.DERIVED)}
+            say(f"# {argv[0]} {' '.join(a for a in argv[1:] if a != PRINT_CONFIG)}, resolved for "
+                f"{c.num_devices} x {jax.devices()[0].platform}: every key (it loads again as a config)\n"
+                + c.to_yaml() + "# derived from it, not keys:\n"
+                + "".join(f"# {line}\n" for line in yaml.safe_dump(derived, sort_keys=False,
+                                                                    default_flow_style=None).splitlines()))
+            return {}
         if c.run_name_derived:
             say(run_name_lib.note(argv[0], c.run_name))
         return train(c)

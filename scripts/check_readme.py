@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Runs the README's commands as a newcomer does, one after another, in a fresh copy of the checkout (its
-tracked files; no outputs/), and checks that each gives what the README shows.
+"""Runs the README's commands, then the docs' (docs/*.md), as a newcomer does, one after another in one
+folder: a fresh copy of the checkout (its tracked files; no outputs/) outside the repo, and checks that each
+gives what the text shows. Commands that collide when run in order (two runs under one name) fail here.
 
-    python scripts/check_readme.py [README.md] [--keep DIR] [--list]
+    python scripts/check_readme.py [README.md ...] [--keep DIR] [--list]
 
 Commands are the lines of the ```bash blocks (a trailing `\\` joins lines; `# ...` comments go), run with
 bash so that `VAR=value` prefixes and `&&` work as typed, with the `python` running this script first on
@@ -46,11 +47,12 @@ CLEARED = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
 
 @dataclass
 class Step:
-    line: int                       # README line where it starts
+    line: int                       # line of its file where it starts
     command: str = ""               # bash command line; "" for an output-only sample
     skip: str = ""                  # why it is not run
     expect: list[str] = field(default_factory=list)  # lines its output must have ($ blocks)
     shape: list[str] = field(default_factory=list)   # sample lines some earlier output must match in shape
+    file: str = "README.md"
 
 
 def _strip_comment(line: str) -> str:
@@ -92,7 +94,7 @@ def _runnable(command: str) -> tuple[str, str]:
     return " && ".join(parts), "; ".join(skipped)
 
 
-def parse(readme: str) -> list[Step]:
+def parse(readme: str, file: str = "README.md") -> list[Step]:
     steps, fence, block = [], None, []
     for number, line in enumerate(readme.splitlines(), 1):
         if fence is None:
@@ -105,18 +107,18 @@ def parse(readme: str) -> list[Step]:
         if fence == "bash":
             for start, command in _commands(block):
                 run, why = _runnable(command)
-                steps.append(Step(start, run, "" if run else why))
+                steps.append(Step(start, run, "" if run else why, file=file))
         elif fence == "" and block:
             if block[0][1].startswith("$ "):
                 step = None
                 for n, text in block:
                     if text.startswith("$ "):
-                        step = Step(n, text[2:].strip())
+                        step = Step(n, text[2:].strip(), file=file)
                         steps.append(step)
                     elif text.strip() and step is not None:
                         step.expect.append(text.rstrip())
             else:
-                steps.append(Step(block[0][0], shape=[t for _, t in block if t.strip()]))
+                steps.append(Step(block[0][0], shape=[t for _, t in block if t.strip()], file=file))
         fence = None
     return steps
 
@@ -175,7 +177,7 @@ def check(steps: list[Step], cwd: Path, env: dict[str, str], timeout: float, say
     say = say or (lambda line: print(line, flush=True))
     ok, printed = True, []
     for step in steps:
-        where = f"README.md:{step.line}"
+        where = f"{step.file}:{step.line}"
         if step.skip:
             say(f"skip  {where:15s}        {step.skip}")
             continue
@@ -201,6 +203,8 @@ def check(steps: list[Step], cwd: Path, env: dict[str, str], timeout: float, say
         problems = [] if code == wanted else [f"exit {code}, expected {wanted}"]
         lines = [x.rstrip() for x in out.splitlines()]
         problems += [f"no line {x!r}" for x in step.expect if x not in lines]
+        if any(x.startswith("nothing to do: run ") for x in lines) and not step.expect:
+            problems.append("it found its run finished: an earlier command trained under the same run name")
         ok &= not problems
         say(f"{'FAIL ' if problems else 'ok   '} {where:15s} {seconds:6.1f} s {command}")
         if problems:
@@ -211,15 +215,17 @@ def check(steps: list[Step], cwd: Path, env: dict[str, str], timeout: float, say
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("readme", nargs="?", default=str(REPO / "README.md"))
+    parser.add_argument("readme", nargs="*", help="default: README.md, then docs/*.md")
     parser.add_argument("--keep", help="run in this (new) directory and keep it, instead of a temporary one")
     parser.add_argument("--list", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
     args = parser.parse_args(argv)
-    steps = parse(Path(args.readme).read_text())
+    files = [Path(f) for f in args.readme] or [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    steps = [s for f in files for s in parse(f.read_text(), str(f.relative_to(REPO) if f.is_relative_to(REPO)
+                                                                  else f))]
     if args.list:
         for s in steps:
-            print(f"README.md:{s.line}: " + (f"(skip: {s.skip})" if s.skip else s.command or f"sample {s.shape}"))
+            print(f"{s.file}:{s.line}: " + (f"(skip: {s.skip})" if s.skip else s.command or f"sample {s.shape}"))
         return 0
     with tempfile.TemporaryDirectory(prefix="readme-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp) / "maxtrain"

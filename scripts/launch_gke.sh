@@ -10,6 +10,7 @@ set -euo pipefail
 dry_run=0 xpk=0 cluster="" workload="" tpu_type="" image="" num_slices=1 max_restarts=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;  # the comment above, as the usage
     --dry-run) dry_run=1; shift ;;
     --xpk) xpk=1; shift ;;
     --cluster) cluster=$2; shift 2 ;;

@@ -10,6 +10,7 @@
 # Process 0 prints to this terminal. Exits non-zero if any process fails.
 set -euo pipefail
 dry_run=0
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0; fi
 if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
 if [[ $# -lt 2 ]]; then
   echo "usage: $0 [--dry-run] N CONFIG.yml [key=value ...]" >&2; exit 2

@@ -12,6 +12,7 @@ set -euo pipefail
 dry_run=0 create=0 spot="" tpu="" zone="" project="" accelerator="" runtime="v2-alpha-tpuv5"
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;  # the comment above, as the usage
     --dry-run) dry_run=1; shift ;;
     --tpu) tpu=$2; shift 2 ;;
     --zone) zone=$2; shift 2 ;;

@@ -220,3 +220,15 @@ def test_bad_checkpoints_give_one_line_and_exit_2(tmp_path):
     code, out, err = finish(cli("run_name=y", f"load_full_state_path={step}", out=tmp_path))
     assert code == 2 and err.strip().startswith("checkpoint error: load_full_state_path:"), err[-2000:]
     assert "Traceback" not in err
+
+
+def test_the_saved_line_counts_the_whole_save(train_tiny, monkeypatch, capsys):
+    """The state's checksums (its copy to the host) are part of the save the heartbeat calls `still saving`:
+    the `saved checkpoint` line's time includes them."""
+    import time
+    from maxtrain.checkpoint import manager
+    slow = manager.digest
+    monkeypatch.setattr(manager, "digest", lambda state: (time.sleep(1.5), slow(state))[1])
+    train_tiny(*CKPT, "steps=2", "checkpoint_period=2", n_devices=1)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("saved checkpoint 2 ("))
+    assert float(line.split("(")[1].split(" s,")[0]) >= 1.5, line

@@ -106,7 +106,7 @@ def my_config(tmp_path):
 
 def test_run_name_is_derived_from_the_config_file_and_the_defining_keys(my_config, tmp_path):
     def name(*overrides):
-        c = config.load([my_config, *overrides])
+        c = train.load_config([my_config, *overrides])  # resolved on the 8 devices: the global batch known
         assert c.run_name_derived
         return c.run_name
 
@@ -114,14 +114,19 @@ def test_run_name_is_derived_from_the_config_file_and_the_defining_keys(my_confi
     assert re.fullmatch(r"my_model-[0-9a-f]{8}", first) and name() == first  # stable
     # How long, how often, where and on which mesh: the same run.
     for same in ("steps=50", "log_period=7", "eval_interval=5", "checkpoint_period=3", "profiler=xplane",
-                 f"base_output_directory={tmp_path}/other", "enable_checkpointing=false", "ici_fsdp_parallelism=4",
+                 f"base_output_directory={tmp_path}/other", "enable_checkpointing=false", "ici_fsdp_parallelism=4 ici_data_parallelism=2",
                  "remat_policy=none", "max_num_checkpoints_to_keep=5", "compilation_cache_dir="):
-        assert name(same) == first, same
+        assert name(*same.split()) == first, same
     # The model, the optimizer, the data: another run.
     others = [name(x) for x in ("base_emb_dim=32", "model_name=mixtral-tiny", "learning_rate=1e-2", "adam_b2=0.99",
                                 "data_shuffle_seed=1", "init_weights_seed=1", "per_device_batch_size=2",
                                 "dtype=bfloat16")]
     assert first not in others and len(set(others)) == len(others)
+    # The global batch, known with the devices: another on more devices, the same one split finer.
+    import jax
+    one, eight = (train.load_config([my_config], jax.devices()[:n]).run_name for n in (1, 8))
+    assert one != eight == first
+    assert train.load_config([my_config, "per_device_batch_size=8"], jax.devices()[:1]).run_name == first
     # Given by the file or the command line, the name is the user's.
     c = config.load([my_config, "run_name=mine"])
     assert c.run_name == "mine" and not c.run_name_derived
@@ -136,7 +141,7 @@ def test_run_name_is_derived_from_the_config_file_and_the_defining_keys(my_confi
 
 def test_the_same_command_resumes_and_another_model_starts_a_new_run(my_config, tmp_path, capsys):
     out_dir = f"base_output_directory={tmp_path}"
-    name = config.load([my_config]).run_name
+    name = train.load_config([my_config]).run_name  # (on this process's 8 devices: their global batch)
     note = (f"run_name: {name} (derived from my model.yml and the keys that define the model, optimizer and data; "
             "the same command resumes it; set run_name=... to choose one)")
     assert train.main([my_config, out_dir, "steps=2"]) == 0
@@ -145,11 +150,13 @@ def test_the_same_command_resumes_and_another_model_starts_a_new_run(my_config, 
     assert train.main([my_config, out_dir, "steps=3"]) == 0  # more steps: the same run, resumed
     assert f"resumed from {tmp_path}/{name}/checkpoints/2" in capsys.readouterr().out
     assert train.main([my_config, out_dir, "steps=3"]) == 0  # finished: says so and where its outputs are
-    assert capsys.readouterr().out.splitlines()[-1] == (
+    out = capsys.readouterr().out
+    assert "compiling" not in out and "resumed from" not in out  # decided from the files, before any of that
+    assert out.splitlines()[-1] == (
         f"nothing to do: run {name} is finished (at step 3 of steps=3); its outputs are in {tmp_path}/{name} "
         "(raise steps to train on)")
     # Another model: a new run, not a refusal.
-    other = config.load([my_config, "base_emb_dim=32"]).run_name
+    other = train.load_config([my_config, "base_emb_dim=32"]).run_name
     assert train.main([my_config, out_dir, "steps=2", "base_emb_dim=32"]) == 0
     assert f"outputs in {tmp_path}/{other}" in capsys.readouterr().out and other != name
     # Another model under a name given on purpose: refused in one line that names run_name.
@@ -228,12 +235,17 @@ def test_ctrl_c_saves_the_step_exits_zero_and_the_run_resumes(tmp_path):
     output = Output(proc)
     output.wait_for(r"\bstep\s+3\b")
     proc.send_signal(signal.SIGINT)
+    t0 = time.perf_counter()
+    output.wait_for(r"^Ctrl-C \(SIGINT\): stopping after step \d+: saving it \(Ctrl-C twice more to quit without "
+                    r"saving\)$", timeout=2)  # at once, whatever the step's length
+    assert time.perf_counter() - t0 < 2
     code, lines, err = output.finish()
     assert code == 0 and "Traceback" not in err, err[-3000:]
     stopped = [x for x in lines if x.startswith("stopped by")]
     step = int(stopped[0].split("after step ")[1].split(":")[0]) if stopped else -1
     assert stopped == [f"stopped by Ctrl-C (SIGINT) after step {step}: checkpoint saved at step {step}; rerun the "
                        "same command to resume"], lines[-5:]
+    assert f"Ctrl-C (SIGINT): stopping after step {step}: saving it (Ctrl-C twice more to quit without saving)" in lines
     assert not any("still saving" in x for x in lines)
     checkpoints = tmp_path / "tiny" / "checkpoints"
     assert saved_steps(checkpoints) == [step]
@@ -325,3 +337,41 @@ def test_ctrl_c_in_the_other_entry_points_is_one_line(tmp_path):
     code, lines, err = output.finish(timeout=120)
     assert code == 130, err[-3000:]
     assert one_line(err) == "interrupted by Ctrl-C"  # nor libtpu's start-up errors about a host without chips
+
+
+def test_list_presets_names_each_with_its_family_and_size(capsys):
+    assert train.main(["--list-presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    presets = sorted(p.stem for p in (config.CONFIG_DIR / "models").glob("*.yml"))
+    assert [x.split()[0] for x in lines[:len(presets)]] == presets
+    llama = next(x for x in lines if x.startswith("llama3-8b "))
+    assert llama.split()[1:3] == ["llama", "8.03B"] and "32 layers x 4096, vocab 128256" in llama
+    mixtral = next(x for x in lines if x.startswith("mixtral-8x7b "))
+    assert "(12.9B active)" in mixtral and "8 experts (2 active)" in mixtral
+
+
+def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, "steps=7", "ici_fsdp_parallelism=2", "ici_data_parallelism=-1",
+                           f"base_output_directory={tmp_path}", "--print-config"], capture_output=True, text=True,
+                          timeout=300, cwd=TESTS.parent,
+                          env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = tmp_path / "printed.yml"
+    printed.write_text(proc.stdout)
+    again = config.load([str(printed)])  # it loads again as a config, with the same values
+    assert again.steps == 7 and again.ici_fsdp_parallelism == 2 and again.attention == "blockwise"  # auto resolved
+    assert "# global_batch_size: 4" in proc.stdout and "# mesh_shape: {stage: 1, data: 2, fsdp: 2" in proc.stdout
+    assert not any(tmp_path.iterdir()) or list(tmp_path.iterdir()) == [printed]  # no run directory
+
+
+@pytest.mark.slow
+def test_the_shakespeare_quickstart_runs_from_any_folder(tmp_path):
+    """The shipped config finds its shipped data from an empty folder (relative input paths that match nothing
+    there are read beside the config file that names them), and so do the mixture's sources."""
+    for config in ("configs/shakespeare.yml", "configs/shakespeare_mix.yml"):
+        done = subprocess.run([sys.executable, "-m", "maxtrain.train", config, "steps=2", "eval_interval=2",
+                               "eval_steps=1", "sample_interval=0", "log_period=1"], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "done: 2 steps" in done.stdout and "eval step 2/2" in done.stdout
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "outputs").iterdir()) == ["shakespeare", "shakespeare_mix"]

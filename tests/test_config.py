@@ -89,7 +89,7 @@ def test_floats_yaml_reads_as_strings(tmp_path):
 
 @pytest.mark.parametrize("key,value", [("remat_policy", "sometimes"), ("dtype", "float16"),
                                         ("weight_dtype", "int8"), ("dataset_type", "csv"),
-                                        ("learning_rate_schedule", "step"), ("attention", "flash")])
+                                        ("lr_schedule_type", "step"), ("attention", "flash")])
 def test_value_outside_allowed_set(key, value):
     e = error_of([BASE, f"{key}={value}"])
     assert e.key == key and "not one of" in str(e)
@@ -264,3 +264,16 @@ def test_an_moe_layer_chunks_only_under_expert_parallelism():
     assert moe_chunk() == 0  # no expert axis: the gathered weights dominate
     assert moe_chunk("ici_expert_parallelism=8", "ici_fsdp_parallelism=8", "mlp_chunk_size=0") == 0
     assert moe_chunk("mlp_chunk_size=256") == 256
+
+
+def test_a_preset_over_the_files_keys_is_said_once(tmp_path, capsys):
+    mine = tmp_path / "mine.yml"
+    mine.write_text("base_config: base.yml\nvocab_size: 384\nlearning_rate: 1.0e-3\n")
+    c = config.load([str(mine), "model_name=gemma3-tiny"])
+    assert c.vocab_size == 512 and c.learning_rate == 1e-3
+    assert capsys.readouterr().out == ("note: model_name=gemma3-tiny sets vocab_size=512 over the file's 384 (a preset's "
+                                       "keys win over the config file's; key=value wins over both)\n")
+    assert config.load([str(mine), "model_name=gemma3-tiny", "vocab_size=640"]).vocab_size == 640
+    assert capsys.readouterr().out == ""  # key=value chose: nothing to say
+    config.load([str(mine)])
+    assert capsys.readouterr().out == ""

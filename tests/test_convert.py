@@ -20,6 +20,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
 
 from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain import convert, generate, train
+from maxtrain.config import load as config_lib
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain.infer.sampling import Sampling
@@ -302,3 +303,26 @@ def test_llama3_rope_frequencies_match_transformers():
     plain = np.asarray(Rope(500000.0).frequencies(8))
     np.testing.assert_allclose(ours, hf_inv_freq, rtol=1e-6)
     assert (ours < plain).sum() >= 4  # the scaling really slows the long wavelengths here
+
+
+def test_an_imported_model_generates_to_its_own_context(tmp_path):
+    """config.json's max_position_embeddings (256 here) travels as the key of that name: generate runs a
+    32-token prompt to 256 though the run's max_target_length is 128, and says which bound it hit past that."""
+    from maxtrain.config.keys import ConfigError
+    random_hf_model("llama-gqa").save_pretrained(tmp_path / "hf")
+    out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"))
+    assert "max_position_embeddings: 256" in (out / "maxtrain.yml").read_text()
+    c = config_lib.load([str(out / "maxtrain.yml"), "max_target_length=128", "max_new_tokens=224"])
+    generate.check_length(c, [[1] * 32], "prompt_ids")  # to 256
+    with pytest.raises(ConfigError, match=r"^max_new_tokens: 225 after a 32-token prompt exceeds "
+                                          r"max_position_embeddings=256, the context the model runs at"):
+        generate.check_length(c.replace(max_new_tokens=225), [[1] * 32], "prompt_ids")
+
+
+def test_convert_help_names_every_supported_model_type(capsys):
+    from maxtrain.models.hf import supported
+    with pytest.raises(SystemExit):
+        convert.main(["--help"])
+    out = capsys.readouterr().out
+    assert "Mistral with its sliding window\nor without" in out
+    assert all(kind in out for kind in supported()) and "mistral" in supported()

@@ -401,6 +401,52 @@ def test_huggingface_tokenizer_json(hf_tokenizer_json):
     assert tok.decode(ids[1:-1]) == "ROMEO: But soft, what light"
 
 
+def hf_tokenizer(folder, specials, template=None, config=None):
+    """A small byte-level BPE tokenizer.json with these special tokens (and post-processor, tokenizer_config)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["ROMEO: But soft, what light through yonder window breaks"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if template:
+        tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), processors.TemplateProcessing(
+            single=template, special_tokens=[(t, specials.index(t)) for t in specials if t in template])])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    if config:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder / "tokenizer.json")
+
+
+def test_huggingface_bos_and_eos_come_from_the_tokenizers_own_files(tmp_path, tiny_config):
+    """Llama 3's way (a post-processor template adds bos; eos by its name), GPT-2's (one <|endoftext|>),
+    tokenizer_config.json beside it; none at all: one line naming the key. vocab_size left unset is its size."""
+    llama = hf_tokenizer(tmp_path / "llama", ["<|begin_of_text|>", "<|end_of_text|>"], "<|begin_of_text|> $A")
+    tok = HuggingFaceTokenizer(llama, True, True, "", "")
+    assert (tok.bos_id, tok.eos_id) == (0, 1) and tok.describe() == (
+        f"vocab {tok.vocab_size}; adds bos '<|begin_of_text|>' = 0 (from its post-processor), eos '<|end_of_text|>' "
+        "= 1 (from its special tokens)")
+    gpt2 = HuggingFaceTokenizer(hf_tokenizer(tmp_path / "gpt2", ["<|endoftext|>"]), True, True, "", "")
+    assert gpt2.bos_id == gpt2.eos_id == 0
+    plain = hf_tokenizer(tmp_path / "plain", ["<pad>", "<unk>"])
+    with pytest.raises(ConfigError) as e:
+        HuggingFaceTokenizer(plain, True, False, "", "")
+    assert str(e.value) == (f"hf_bos_token: {plain} names no bos token (no tokenizer_config.json beside it says "
+                            "one, nor its post-processor or special tokens): set hf_bos_token=TOKEN, or add_bos=false")
+    assert HuggingFaceTokenizer(plain, False, False, "", "").describe().endswith("adds no bos or eos")
+    configured = hf_tokenizer(tmp_path / "configured", ["<pad>", "<unk>"],
+                              config={"bos_token": {"content": "<unk>"}, "eos_token": "<pad>"})
+    tok = HuggingFaceTokenizer(configured, True, True, "", "")
+    assert (tok.bos_id, tok.eos_id) == (1, 0) and "(from " + str(tmp_path / "configured" / "tokenizer_config.json") \
+        in tok.describe()
+    from maxtrain.config import load as config_load
+    c = config_load.load(["configs/base.yml", "dataset_type=text", f"train_files={SHAKESPEARE}",
+                          "tokenizer_type=huggingface", f"tokenizer_path={llama}"])
+    assert c.vocab_size == 300  # the tokenizer's (base.yml's 512 is for synthetic data)
+    assert config_load.load(["configs/base.yml", "dataset_type=text", f"train_files={SHAKESPEARE}"]).vocab_size == 259
+
+
 def test_tokenizer_larger_than_vocab_is_a_config_error(tiny_config, hf_tokenizer_json):
     c = tiny_config("tokenizer_type=huggingface", f"tokenizer_path={hf_tokenizer_json}", "vocab_size=512")
     with pytest.raises(ConfigError) as e:
@@ -524,7 +570,7 @@ def test_shakespeare_eval_loss_goes_down(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     proc = subprocess.run([sys.executable, "-m", "maxtrain.train", "configs/shakespeare.yml", "steps=40",
                            "eval_interval=20", "eval_steps=5", "max_target_length=128", "per_device_batch_size=4",
-                           f"base_output_directory={tmp_path}", "enable_checkpointing=false"],
+                           f"base_output_directory={tmp_path}", "enable_checkpointing=false", "run_name=shakespeare"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "shakespeare" / "metrics.jsonl").read_text().splitlines()]

@@ -4,6 +4,7 @@ token are each one line and an exit code, with nothing half-written."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -255,3 +256,20 @@ def test_an_unknown_special_token_is_one_line(key, hf_tokenizer_json, step_dir, 
     assert code == 2 and one_line(err) == expected
     code = generate.main([TINY, f"load_parameters_path={step_dir}", "prompt=ROMEO:", *tok])
     assert code == 2 and one_line(capsys.readouterr().err) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_aot_compile_is_one_line_not_libtpus_stack_dump(signum):
+    """libtpu installs its own SIGTERM handler when it loads (a stack dump, then the signal again)."""
+    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.compile", "configs/base.yml", "compile_topology=v5p-8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=TESTS.parent,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for line in proc.stdout:
+        if line.startswith("compiling the train step for v5p-8"):  # libtpu is loaded: its handler is in place
+            break
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    what = "stopped by SIGTERM" if signum == signal.SIGTERM else "interrupted by Ctrl-C"
+    assert err == f"{what} during the compile: nothing written\n"
+    assert proc.returncode == (143 if signum == signal.SIGTERM else 130)

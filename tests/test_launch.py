@@ -165,3 +165,10 @@ def test_two_compiles_can_run_at_once():
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-2000:]
         assert "fits:" in out
+
+
+@pytest.mark.parametrize("script", ["launch_tpu_pod.sh", "launch_gke.sh", "launch_local.sh"])
+def test_every_launcher_answers_help_with_its_usage(script):
+    done = subprocess.run(["bash", str(TESTS.parent / "scripts" / script), "--help"], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0 and f"scripts/{script}" in done.stdout and "CONFIG.yml" in done.stdout, done

@@ -84,6 +84,15 @@ def test_a_command_is_judged_by_its_exit_code_and_the_lines_shown(tmp_path):
                          "line with these fields")
 
 
+def test_a_command_that_finds_its_run_finished_collided_with_an_earlier_one(tmp_path):
+    steps = check_readme.parse("```bash\necho 'done: 20 steps'\necho 'nothing to do: run base-1 is finished'\n```\n",
+                               "docs/x.md")
+    lines = []
+    assert not check_readme.check(steps, tmp_path, {"PATH": "/usr/bin:/bin"}, timeout=30, say=lines.append)
+    assert lines[0].startswith("ok    docs/x.md:2 ") and lines[1].startswith("FAIL  docs/x.md:3 ")
+    assert lines[2] == "      it found its run finished: an earlier command trained under the same run name"
+
+
 @pytest.mark.slow
 def test_the_readmes_commands_give_what_it_shows():
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=3600)

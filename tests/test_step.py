@@ -1,5 +1,8 @@
 """Train step: gradient accumulation, masked loss, optimizer pieces."""
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,9 +113,9 @@ def test_schedule_warmup_then_cosine_to_final_fraction(tiny_config):
     np.testing.assert_allclose(float(lr(5)), 0.5, rtol=1e-6)
     np.testing.assert_allclose(float(lr(10)), 1.0, rtol=1e-6)
     np.testing.assert_allclose(float(lr(100)), 0.1, rtol=1e-5)
-    const = learning_rate_schedule(tiny_config("learning_rate_schedule=constant", "warmup_steps_fraction=0"))
+    const = learning_rate_schedule(tiny_config("lr_schedule_type=constant", "warmup_steps_fraction=0"))
     assert float(const(0)) == float(const(50)) == 3e-3
-    lin = learning_rate_schedule(tiny_config("steps=10", "learning_rate_schedule=linear", "learning_rate=1.0",
+    lin = learning_rate_schedule(tiny_config("steps=10", "lr_schedule_type=linear", "learning_rate=1.0",
                                              "warmup_steps_fraction=0"))
     np.testing.assert_allclose([float(lin(0)), float(lin(10))], [1.0, 0.1], rtol=1e-6)
 
@@ -235,3 +238,40 @@ def test_cheap_compiles_give_the_same_results(tiny_config):
         after_fast = jax.device_get(trainer.train_step(trainer.init(rng), batch))
     for a, b in zip(jax.tree.leaves(after_default), jax.tree.leaves(after_fast)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+
+
+def test_wsd_holds_the_peak_then_decays_the_last_fraction(tiny_config):
+    c = tiny_config("steps=100", "lr_schedule_type=wsd", "warmup_steps_fraction=0.1", "learning_rate=1.0",
+                    "wsd_decay_steps_fraction=0.2", "cosine_learning_rate_final_fraction=0.1")
+    lr = learning_rate_schedule(c)
+    np.testing.assert_allclose([float(lr(s)) for s in (0, 5, 10, 50, 80, 90, 100)],
+                               [0.0, 0.5, 1.0, 1.0, 1.0, 0.55, 0.1], rtol=1e-6)
+    cos = learning_rate_schedule(c.replace(wsd_decay_style="cosine"))
+    np.testing.assert_allclose([float(cos(80)), float(cos(90)), float(cos(100))], [1.0, 0.55, 0.1], rtol=1e-5)
+    longer = learning_rate_schedule(c.replace(learning_rate_schedule_steps=200))
+    assert [float(longer(s)) for s in range(20, 160)] == [1.0] * 140  # extended in its stable phase: no jump
+    from maxtrain.training.optimizer import describe_schedule
+    assert describe_schedule(c) == "lr wsd 1 (warmup 10, stable to step 80, linear decay to 0.1x at 100)"
+
+
+def test_a_wsd_run_extended_in_its_stable_phase_goes_on_at_the_same_rate(train_tiny, tmp_path, capsys):
+    """Stopped at step 60 of a 100-step schedule, resumed with a 200-step one: the same learning rate at steps
+    60 and 61; under cosine the same extension is said to re-stretch the curve, with the jump."""
+    def lrs(name):
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train/learning_rate"] for r in rows if "train/learning_rate" in r}
+    for kind in ("wsd", "cosine"):
+        args = (f"run_name={kind}", f"lr_schedule_type={kind}", "wsd_decay_steps_fraction=0.2",
+                "warmup_steps_fraction=0.1", "enable_checkpointing=true", "checkpoint_period=1000")
+        train_tiny(*args, "steps=60", "learning_rate_schedule_steps=100", n_devices=1)
+        capsys.readouterr()
+        train_tiny(*args, "steps=62", "learning_rate_schedule_steps=200", n_devices=1)
+        out, got = capsys.readouterr().out, lrs(kind)
+        if kind == "wsd":
+            assert got[60] == got[61] == got[62] == pytest.approx(3e-3)
+            assert "the learning rate goes on at 3.000e-03 from step 60" in out
+        else:
+            assert got[61] > got[60] * 1.1
+            assert re.search(r"note: learning_rate_schedule_steps is 200 where the last start's was 100: the "
+                             r"cosine schedule is re-stretched, the learning rate at step 60 goes from \S+ to \S+ "
+                             r"\(lr_schedule_type=wsd extends", out), out

@@ -163,6 +163,7 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict) -> None:
         """Starts saving `step` (the loop decides when); returns once device buffers are copied."""
         self._confirm()
+        started = time.perf_counter()  # the checksums (a copy of the state to the host) are part of the save
         entries, finite = digest(state)
         if not finite:  # finite gradients overflowed the parameters: never write such a state
             raise NonFiniteState(f"step {step}: the parameters or optimizer state hold non-finite values")
@@ -171,7 +172,7 @@ class Checkpointer:
                                   data=ocp.args.JsonSave(data_state),
                                   model=ocp.args.JsonSave(model_signature(self.config)),
                                   digest=ocp.args.JsonSave(record))
-        self._save_started = time.perf_counter()
+        self._save_started = started
         try:
             self.manager.save(step, args=args, force=True)
         except Exception as e:

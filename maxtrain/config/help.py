@@ -78,9 +78,34 @@ def matching_keys(pattern: str | None) -> list[str]:
     return [f"{k}: {docs[k][0]}".ljust(width) + (f"  # {docs[k][1]}" if docs[k][1] else "") for k in names]
 
 
+PRESETS_FLAG = "--list-presets"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def preset_lines() -> list[str]:
+    """`name  family  parameters  (layers x width, experts)` for every preset model_name takes."""
+    from maxtrain.models import registry
+    rows = []
+    for path in sorted((config_lib.CONFIG_DIR / "models").glob("*.yml"), key=lambda p: p.stem):
+        c = config_lib.load([str(config_lib.BASE_YML), f"model_name={path.stem}"])
+        experts = f", {c.num_experts} experts ({c.num_experts_per_tok} active)" if c.num_experts > 1 else ""
+        active = f" ({_count(c.num_active_params)} active)" if c.num_active_params != c.num_params else ""
+        rows.append((path.stem, registry.spec_for(c).name, f"{_count(c.num_params)}{active}",
+                     f"{c.base_num_decoder_layers} layers x {c.base_emb_dim}{experts}, vocab {c.vocab_size}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {n:<{widths[2]}}  {d}" for a, b, n, d in rows] + [
+        "", "model_name=NAME picks one (its model keys over the config file's; key=value over both)."]
+
+
 def handle(argv: list[str], usage: str) -> int | None:
     """The exit code when argv asks for help (or is empty), else None: the entry point goes on. -h/--help
     anywhere prints the usage; --help-keys [PATTERN] prints the matching keys."""
+    if PRESETS_FLAG in argv:
+        print("\n".join(preset_lines()), flush=True)
+        return 0
     if KEYS_FLAG in argv:
         rest = argv[argv.index(KEYS_FLAG) + 1:]
         try:

@@ -34,16 +34,17 @@ MODEL_KEYS = (
 # Keys that name files or directories: each may be a local path or a URL (maxtrain.runtime.storage).
 PATH_KEYS = ("prompt_file", "base_output_directory", "train_files", "eval_files", "tokenizer_path", "load_full_state_path",
              "load_parameters_path", "prepared_dir")
-# Training settings a model carries with it (a preset, an HF config.json, a checkpoint's description: HF's
-# router_aux_loss_coef), which a fine-tune may change: never part of the model's shape.
-MODEL_TRAINING_KEYS = ("load_balance_loss_weight", "mtp_loss_scaling_factor")
+# Settings a model carries with it (a preset, an HF config.json, a checkpoint's description: HF's
+# router_aux_loss_coef, its context length), which a fine-tune may change: never part of the model's shape.
+MODEL_TRAINING_KEYS = ("load_balance_loss_weight", "mtp_loss_scaling_factor", "max_position_embeddings")
 PRESET_KEYS = (*MODEL_KEYS, *MODEL_TRAINING_KEYS)
 # Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.models.remat.
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", *DTYPES),
     "weight_dtype": DTYPES,
     "mu_dtype": DTYPES,
-    "learning_rate_schedule": ("cosine", "linear", "constant"),
+    "lr_schedule_type": ("cosine", "wsd", "linear", "constant"),
+    "wsd_decay_style": ("linear", "cosine"),
     "dataset_type": ("synthetic", "prepared", "text", "parquet", "array_record"),
     "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
     "attention": ("auto", "dot_product", "blockwise", "jax_nn", "splash"),
@@ -69,7 +70,8 @@ POSITIVE_INTS = (
 INT_MAX = 2**31 - 1  # steps and sizes reach jax as int32
 METRICS_BACKENDS = ("tensorboard", "jsonl", "wandb")
 # Keys that were replaced: what to write instead.
-RENAMED = {"enable_tensorboard": "replaced by metrics_backends (default tensorboard,jsonl; metrics_backends=jsonl "
+RENAMED = {"learning_rate_schedule": "renamed lr_schedule_type (MaxText's name): cosine | wsd | linear | constant",
+           "enable_tensorboard": "replaced by metrics_backends (default tensorboard,jsonl; metrics_backends=jsonl "
                                  "writes no tensorboard events)"}
 
 # The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default

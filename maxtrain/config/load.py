@@ -9,6 +9,7 @@ reported as a ConfigError that names the key. Values that follow from the config
 from __future__ import annotations
 
 import difflib
+import glob
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -89,11 +90,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _read_chain(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Values of `path` over those of its base_config chain (root first)."""
+    """Values of `path` over those of its base_config chain (root first); base.yml's are the defaults, not a
+    file's choice (a key left unset stays so: vocab_size then follows the tokenizer)."""
     path = path.resolve()
+    if path == BASE_YML.resolve():
+        return {}
     if path in seen:
         raise ConfigError("base_config", f"cycle through {path}")
-    data = _read_yaml(path)
+    data = _beside(_read_yaml(path), path.parent)
     parent = data.pop("base_config", None)
     if parent is None:
         return data
@@ -103,6 +107,30 @@ def _read_chain(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not beside.exists():  # `base_config: base.yml` in a user's own folder: the one the package ships
         beside = config_path(parent)
     return {**_read_chain(beside, seen + (path,)), **data}
+
+
+# Keys that name files a run reads: a relative one that matches nothing from the working directory is read
+# beside the config file that set it (on the command line: beside the config file named), so a config and its
+# data travel together (the shipped configs/shakespeare.yml and its data/tinyshakespeare.txt, from any folder).
+INPUT_KEYS = ("train_files", "eval_files", "tokenizer_path", "prompt_file", "load_parameters_path",
+              "load_full_state_path")
+
+
+def _beside(values: dict[str, Any], folder: Path) -> dict[str, Any]:
+    def one(pattern: str) -> str:
+        p = pattern.strip()
+        if not p or "://" in p or Path(p).is_absolute() or glob.glob(p) or not glob.glob(str(folder / p)):
+            return pattern
+        return str(folder / p)
+
+    def paths(value):
+        return ",".join(one(p) for p in value.split(",")) if isinstance(value, str) else value
+    out = {k: paths(v) if k in INPUT_KEYS else v for k, v in values.items()}
+    for key in ("data_sources", "eval_sources"):  # each source's files
+        if isinstance(out.get(key), dict):
+            out[key] = {name: {**spec, "files": paths(spec["files"])} if isinstance(spec, dict) and "files" in spec
+                        else spec for name, spec in out[key].items()}
+    return out
 
 
 def _parse_override(arg: str, defaults: Mapping[str, Any]) -> tuple[str, Any]:
@@ -201,7 +229,8 @@ def load(argv: Sequence[str]) -> Config:
     files = _read_chain(config_path(argv[0]))
     for key in files:
         _check_known(key, defaults)
-    overrides = dict(_parse_override(arg, defaults) for arg in argv[1:])
+    overrides = _beside(dict(_parse_override(arg, defaults) for arg in argv[1:]),
+                        config_path(argv[0]).resolve().parent)
 
     model_name = overrides.get("model_name", files.get("model_name", defaults["model_name"]))
     preset = {} if model_name == "default" else _read_preset(model_name)
@@ -209,10 +238,23 @@ def load(argv: Sequence[str]) -> Config:
     values = {**defaults, **files, **preset, **overrides}
     for key, value in values.items():
         values[key] = _check_type(key, value, defaults[key])
+    replaced = [f"{k}={preset[k]} over the file's {files[k]}" for k in preset
+                if k in files and files[k] != preset[k] and k not in overrides]
+    if replaced:  # said once: a preset's model keys win over the config file's (and key=value over both)
+        print(f"note: model_name={model_name} sets {', '.join(replaced)} (a preset's keys win over the config "
+              "file's; key=value wins over both)", flush=True)
+    if "vocab_size" not in {**files, **preset, **overrides} and (values["dataset_type"] != "synthetic" or
+                                                                 values["data_sources"]):
+        values["vocab_size"] = _tokenizer_vocab(values)  # unset: the tokenizer's (the model pads it)
     values["run_name_derived"] = not values["run_name"]  # none given: named after what defines the run
     values["run_name"] = values["run_name"] or run_name_lib.derive(argv[0], values, defaults)
     validate(values)
     return Config(_derive_static(values))
+
+
+def _tokenizer_vocab(values: dict[str, Any]) -> int:
+    from maxtrain.data.tokenizer import make_tokenizer  # (the tokenizer file's own count)
+    return make_tokenizer(Config(values), check_vocab=False).vocab_size
 
 
 def _read_preset(name: str) -> dict[str, Any]:

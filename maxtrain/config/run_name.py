@@ -20,7 +20,7 @@ from typing import Any
 # Keys that do not change what is trained (the model, optimizer, data and their order): how long and how
 # often, where the outputs go, how the work is laid out on the devices, and the other entry points' keys.
 NOT_DEFINING = frozenset({
-    "run_name", "base_output_directory", "steps", "log_period", "dry_run", "compilation_cache_dir",
+    "run_name", "base_output_directory", "steps", "learning_rate_schedule_steps", "log_period", "dry_run", "compilation_cache_dir",
     "eval_files", "eval_sources", "eval_interval", "eval_steps", "grain_worker_count", "prepared_dir", "prepare_workers",
     "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
     "nan_policy", "max_nonfinite_steps", "loss_spike_factor",
@@ -29,6 +29,7 @@ NOT_DEFINING = frozenset({
     "prompt", "prompt_ids", "prompt_file", "generate_batch_size", "max_new_tokens", "temperature", "top_k", "top_p",
     "sampling_seed", "sample_interval", "sample_prompts",
     "distributed_init", "coordinator_address", "num_processes", "process_id", "distributed_heartbeat_timeout_seconds",
+    "per_device_batch_size",  # the global batch (per device x devices) is what defines the run: derive() adds it
     "logical_axis_rules", "context_parallel_load_balance", "scan_unroll", "remat_policy", "mlp_chunk_size",
     "loss_chunk_size", "attention", "moe_grouped_matmul",
     *(f"{group}_{axis}_parallelism" for group in ("ici", "dcn")
@@ -43,11 +44,21 @@ def defining(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str
     return {k: values[k] for k in sorted(defaults) if k not in NOT_DEFINING and values[k] != defaults[k]}
 
 
-def derive(config_file: str, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
-    """`<config file's stem>-<hash>`, e.g. shakespeare-3f0c9a1e: a plain name (config.RUN_NAME)."""
+def derive(config_file: str, values: Mapping[str, Any], defaults: Mapping[str, Any],
+           global_batch: int | None = None) -> str:
+    """`<config file's stem>-<hash>`, e.g. shakespeare-3f0c9a1e: a plain name (config.RUN_NAME). The global batch
+    (known once the devices are: config.resolve) enters the hash: the same per-device batch on 8 devices is
+    another run than on 1 (another data order, another optimization)."""
     stem = re.sub(r"^[^A-Za-z0-9]+", "", re.sub(r"[^A-Za-z0-9._-]", "_", Path(config_file).stem)) or "run"
-    text = json.dumps(defining(values, defaults), sort_keys=True, separators=(",", ":"))
+    defined = defining(values, defaults) | ({"global_batch_size": global_batch} if global_batch else {})
+    text = json.dumps(defined, sort_keys=True, separators=(",", ":"))
     return f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:HASH_CHARS]}"
+
+
+def with_global_batch(values: Mapping[str, Any], global_batch: int) -> str:
+    """A derived name again, now that the global batch is known (the stem is the load's)."""
+    from maxtrain.config.load import defaults  # (load imports this module)
+    return derive(values["run_name"].rsplit("-", 1)[0], values, defaults(), global_batch)
 
 
 def note(config_file: str, name: str) -> str:

@@ -193,6 +193,8 @@ def make_readers(c: Config, tokenizer: Tokenizer, lanes: range):
     eval_files or a held-out part of train_files."""
     make = _mixture if c.data_sources else _prepared if c.dataset_type == "prepared" else _streamed
     train, evals, lines = make(c, tokenizer, lanes)
+    if c.tokenizer_type != "byte":
+        lines.insert(0, f"tokenizer: {c.tokenizer_type} {c.tokenizer_path}: {tokenizer.describe()}")
     if c.eval_sources:  # (no split was held out for them)
         evals = {}
         for name, spec in c.eval_sources.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +46,12 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         raise NotImplementedError
+
+    def describe(self) -> str:
+        """Its vocabulary and the bos and eos it adds, for the first lines."""
+        added = [f"{role} {i}" for role, i, on in (("bos", self.bos_id, self.add_bos), ("eos", self.eos_id, self.add_eos))
+                 if on and i is not None]
+        return f"vocab {self.vocab_size:,}; adds " + (", ".join(added) or "no bos or eos")
 
     def encode(self, text: str) -> np.ndarray:
         ids = self._encode(text)
@@ -116,18 +123,30 @@ class HuggingFaceTokenizer(Tokenizer):
             raise ConfigError("tokenizer_path", f"{path}: cannot load as a HuggingFace tokenizer.json") from None
         self.file_sha256 = hashlib.sha256(text).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._token_id("hf_bos_token", bos_token, path)
-        self.eos_id = self._token_id("hf_eos_token", eos_token, path)
+        found = _special_tokens(path, json.loads(text))
+        self.sources = {}  # where bos and eos came from, for the first lines
+        for key, role, given, wanted in (("hf_bos_token", "bos", bos_token, add_bos),
+                                         ("hf_eos_token", "eos", eos_token, add_eos)):
+            token, where = (given, key) if given else found.get(role, (None, None))
+            if token is None and wanted:
+                raise ConfigError(key, f"{path} names no {role} token (no tokenizer_config.json beside it says one, "
+                                  f"nor its post-processor or special tokens): set {key}=TOKEN, or "
+                                  f"add_{role}=false")
+            setattr(self, f"{role}_id", self._token_id(key, token, path) if token else None)
+            self.sources[role] = (token, where)
 
-    def _token_id(self, key: str, token: str, path: str) -> int | None:
+    def _token_id(self, key: str, token: str, path: str) -> int:
         """The id of a special token named by its text; a name the vocabulary lacks would silently
         drop every document's bos or eos."""
-        if not token:
-            return None
         token_id = self._tok.token_to_id(token)
         if token_id is None:
             raise ConfigError(key, f"{token!r} is not a token of {path}")
         return token_id
+
+    def describe(self) -> str:
+        parts = [f"{role} {token!r} = {getattr(self, f'{role}_id')} (from {where})"
+                 for role, (token, where) in self.sources.items() if token and getattr(self, f"add_{role}")]
+        return f"vocab {self.vocab_size:,}; adds " + (", ".join(parts) or "no bos or eos")
 
     def _encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -140,6 +159,42 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+
+# Special tokens by the names tokenizers give them, where no file says which is which.
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
+EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|endoftext|>")
+
+
+def _special_tokens(path: str, spec: dict) -> dict[str, tuple[str, str]]:
+    """{"bos"|"eos": (token text, where it was read)} from the tokenizer's own files, in HF's order of
+    authority: tokenizer_config.json beside it, tokenizer.json's post-processor template, then its special
+    tokens by their usual names (GPT-2's one <|endoftext|> is both, as its own config says)."""
+    found: dict[str, tuple[str, str]] = {}
+    beside = storage.path(path).parent / "tokenizer_config.json"
+    try:
+        config = json.loads(beside.read_text(encoding="utf-8"))
+        for role in ("bos", "eos"):
+            value = config.get(f"{role}_token")
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str) and value:
+                found[role] = (value, str(beside))
+    except (OSError, ValueError, AttributeError):
+        pass
+    post = spec.get("post_processor") or {}
+    steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]  # (Llama 3: byte-level, then it)
+    template = next((p.get("single") for p in steps if p.get("type") == "TemplateProcessing"), None) or []
+    if template:
+        first, last = template[0].get("SpecialToken"), template[-1].get("SpecialToken")
+        for role, item in (("bos", first), ("eos", last)):
+            if item and role not in found:
+                found[role] = (item["id"], "its post-processor")
+    special = [t["content"] for t in spec.get("added_tokens", []) if t.get("special")]
+    for role, names in (("bos", BOS_NAMES), ("eos", EOS_NAMES)):
+        name = next((n for n in names if n in special), None)
+        if name and role not in found:
+            found[role] = (name, "its special tokens")
+    return found
 
 
 def make_tokenizer(c: Config, check_vocab: bool = True) -> Tokenizer:

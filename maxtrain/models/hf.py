@@ -175,6 +175,7 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "base_num_decoder_layers": hf["num_hidden_layers"],
         "normalization_layer_epsilon": number(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
         "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
+        "max_position_embeddings": max(int(number(hf, "max_position_embeddings", 0)), 0),
         "qkv_bias": False,
         **PLAIN_VARIANTS,
         "sliding_window_size": window or 0,

@@ -30,6 +30,9 @@ class _State:
     presses = 0           # Ctrl-Cs after the request
     multiprocess = False  # the request goes to JAX's preemption service (which listens for SIGTERM)
     printing = True       # this process prints progress (process 0)
+    during = "start-up"   # what a signal before the loop interrupts
+    last_step = 0         # the last step the loop asked about (Preemption.reached)
+    stop_at = None        # one process: the step a request stops after (the next the loop asks about)
 
 
 STATE = _State()
@@ -49,6 +52,10 @@ def _quit(code: int, text: str, stream) -> None:
 def on_signal(signum: int) -> None:
     """What a SIGINT or SIGTERM does now (from the CLI's thread, or a handler during the loop)."""
     if not STATE.in_loop:
+        if STATE.during != "start-up":  # another command's work (the AOT compile): nothing of it is kept
+            what = "stopped by SIGTERM" if signum == signal.SIGTERM else "interrupted by Ctrl-C"
+            _quit(INTERRUPTED if signum == signal.SIGINT else 128 + signal.SIGTERM,
+                  f"{what} during {STATE.during}: nothing written", sys.stderr)
         if signum == signal.SIGTERM:
             _quit(0, "stopped by SIGTERM during start-up, before the first step: nothing to save", sys.stdout)
         _quit(INTERRUPTED, "interrupted by Ctrl-C during start-up, before the first step: nothing saved",
@@ -57,6 +64,11 @@ def on_signal(signum: int) -> None:
         STATE.requested = signum
         if STATE.multiprocess and signum == signal.SIGINT:
             os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption service agrees on the step with the peers
+        STATE.stop_at = STATE.last_step + 1
+        if STATE.printing:  # at once: the step under way may take minutes
+            where = "at a step every process agrees on" if STATE.multiprocess else f"after step {STATE.stop_at}"
+            again = " (Ctrl-C twice more to quit without saving)" if signum == signal.SIGINT else ""
+            _write(f"{NAMES[signum]}: stopping {where}: saving it{again}", sys.stdout)
         return
     if signum != signal.SIGINT:  # a scheduler repeating its SIGTERM must not cut the save short
         return
@@ -79,8 +91,10 @@ def _watch(fd: int) -> None:
                 on_signal(signum)
 
 
-def watch() -> None:
-    """The CLI, first thing (main thread): from now on SIGINT and SIGTERM are answered by a thread."""
+def watch(during: str = "start-up") -> None:
+    """The CLI, first thing (main thread): from now on SIGINT and SIGTERM are answered by a thread. `during`:
+    what the command does before any loop (a signal then ends it in one line)."""
+    STATE.during = during
     if STATE.watching:
         return
     read, write = os.pipe()
@@ -90,6 +104,14 @@ def watch() -> None:
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     threading.Thread(target=_watch, args=(read,), daemon=True, name="maxtrain-signals").start()
     STATE.watching = True
+
+
+def rearm() -> None:
+    """After a library that installs its own handlers for these signals (libtpu's stack dump on SIGTERM):
+    ours again, so a signal is still one line (the main thread)."""
+    if STATE.watching:
+        for signum in NAMES:
+            signal.signal(signum, lambda *_: None)
 
 
 def stop_watching() -> None:
@@ -109,10 +131,10 @@ class Preemption:
     turned into a SIGTERM to this process for it.
     """
 
-    def __init__(self):
+    def __init__(self, step: int = 0):
         import jax
         self.multiprocess = jax.process_count() > 1
-        STATE.in_loop, STATE.requested, STATE.presses = True, None, 0
+        STATE.in_loop, STATE.requested, STATE.presses, STATE.stop_at, STATE.last_step = True, None, 0, None, step
         STATE.multiprocess, STATE.printing = self.multiprocess, jax.process_index() == 0
         self._previous = {}
         if not STATE.watching:  # train() called from Python: handlers for the loop's duration
@@ -134,7 +156,8 @@ class Preemption:
             if self.multiprocess:
                 self.received = self._sync_point(step)
             else:
-                self.received = STATE.requested is not None
+                self.received = STATE.requested is not None  # (the step after the request: STATE.stop_at)
+            STATE.last_step = step
         return self.received
 
     def restore(self):

@@ -55,6 +55,15 @@ def write_config(c: config_lib.Config, run_dir: Path, record: dict) -> None:
         print(f"note: this start's config differs from {first} (the first start's): {changed}", flush=True)
 
 
+def last_start_config(run_dir: Path) -> dict | None:
+    """The resolved config of the run's last start (starts.jsonl), or None."""
+    try:
+        lines = (run_dir / "starts.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["config"] if lines else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _read_yaml(path: Path) -> dict | None:
     """config.yml's keys; None if there is none (or it is not a mapping: written again)."""
     try:

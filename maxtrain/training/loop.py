@@ -23,7 +23,7 @@ from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain.runtime.interrupts import Preemption
 from maxtrain.runtime.startup import say
-from maxtrain.training import evaluation
+from maxtrain.training import evaluation, optimizer
 from maxtrain.training.guards import NonFiniteGuard
 from maxtrain.training.state import initial_state
 
@@ -83,6 +83,9 @@ class TrainLoop:
         with progress.heartbeat("initializing the state and compiling the train step", since=self.t_compile) as beat:
             self.state = initial_state(c, self.trainer, self.checkpointer, self.batches)
             t_state = time.perf_counter() - self.t_compile
+            note = optimizer.extension_note(c, run_dir_lib.last_start_config(self.run_dir), int(self.state.step))
+            if note:
+                say(note)
             record = run_record.record(c, self.run_dir, int(self.state.step))
             run_dir_lib.write_config(c, self.run_dir, record)
             self.writer = metric_writers.MetricsWriter(self.run_dir, metric_writers.backends(c), int(self.state.step),
@@ -97,7 +100,7 @@ class TrainLoop:
         self.peak = metrics_lib.peak_tflops_per_device(c) if int(self.state.step) < c.steps else None
         if self.peak is not None:
             say(self.peak.describe())
-        self.preemption = Preemption()  # from here a SIGTERM is a step to save at
+        self.preemption = Preemption(int(self.state.step))  # from here a SIGTERM is a step to save at
         self.profiler = profiler_lib.StepProfiler(c, self.run_dir)
         self.t_start = time.perf_counter()
         self.first_step = int(self.state.step)

@@ -12,19 +12,67 @@ from maxtrain.models import registry
 
 
 def learning_rate_schedule(c: Config) -> optax.Schedule:
+    """Linear warmup, then: cosine or linear decay to the final fraction at learning_rate_schedule_steps, a
+    constant, or warmup-stable-decay (wsd: the peak until the last wsd_decay_steps_fraction of the schedule,
+    then down to the final fraction, so a run extended in its stable phase goes on at the same rate)."""
     total = c.learning_rate_schedule_steps
     warmup = int(c.warmup_steps_fraction * total)
     peak, final = c.learning_rate, c.learning_rate * c.cosine_learning_rate_final_fraction
+    alpha = final / peak if peak else 0.0
     decay_steps = max(total - warmup, 1)
-    if c.learning_rate_schedule == "cosine":
-        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=final / peak if peak else 0.0)
-    elif c.learning_rate_schedule == "linear":
-        decay = optax.linear_schedule(peak, final, decay_steps)
-    else:
-        decay = optax.constant_schedule(peak)
-    if warmup == 0:
-        return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+    parts, bounds = [], []
+    if warmup:
+        parts, bounds = [optax.linear_schedule(0.0, peak, warmup)], [warmup]
+    if c.lr_schedule_type == "cosine":
+        parts.append(optax.cosine_decay_schedule(peak, decay_steps, alpha=alpha))
+    elif c.lr_schedule_type == "linear":
+        parts.append(optax.linear_schedule(peak, final, decay_steps))
+    elif c.lr_schedule_type == "constant":
+        parts.append(optax.constant_schedule(peak))
+    else:  # wsd
+        decay = max(int(round(c.wsd_decay_steps_fraction * total)), 0)
+        stable = max(total - warmup - decay, 0)
+        end = (optax.cosine_decay_schedule(peak, max(decay, 1), alpha=alpha) if c.wsd_decay_style == "cosine"
+               else optax.linear_schedule(peak, final, max(decay, 1)))
+        parts += [optax.constant_schedule(peak), end]
+        bounds.append(warmup + stable)
+    return parts[0] if len(parts) == 1 else optax.join_schedules(parts, bounds)
+
+
+def describe_schedule(c: Config) -> str:
+    """The schedule in a few words, for the run's first line."""
+    total = c.learning_rate_schedule_steps
+    warmup = int(c.warmup_steps_fraction * total)
+    head = f"lr {c.lr_schedule_type} {c.learning_rate:g}" + (f" (warmup {warmup}" if warmup else " (")
+    sep = ", " if warmup else ""
+    final = f"{c.cosine_learning_rate_final_fraction:g}x"
+    if c.lr_schedule_type == "wsd":
+        decay = int(round(c.wsd_decay_steps_fraction * total))
+        return head + f"{sep}stable to step {total - decay}, {c.wsd_decay_style} decay to {final} at {total})"
+    if c.lr_schedule_type == "constant":
+        return head + ")" if warmup else head[:-2]
+    return head + f"{sep}decay to {final} at {total})"
+
+
+def extension_note(c: Config, previous: dict | None, step: int) -> str | None:
+    """A resumed run whose schedule length changed: what it does to the learning rate at `step` (`previous`: the
+    last start's resolved config). A decay stretched or shrunk mid-way jumps; wsd's stable phase does not."""
+    if not previous or step == 0 or previous.get("learning_rate_schedule_steps") == c.learning_rate_schedule_steps:
+        return None
+    try:
+        before = c.replace(**{k: previous[k] for k in ("learning_rate_schedule_steps", "lr_schedule_type",
+                                                        "warmup_steps_fraction") if k in previous})
+        was, now = float(learning_rate_schedule(before)(step)), float(learning_rate_schedule(c)(step))
+    except (TypeError, ValueError):  # a record from before these keys
+        return None
+    change = (f"learning_rate_schedule_steps is {c.learning_rate_schedule_steps} where the last start's was "
+              f"{previous['learning_rate_schedule_steps']}")
+    if abs(now - was) <= 1e-6 * max(abs(was), 1e-12):
+        return f"note: {change}: the learning rate goes on at {now:.3e} from step {step}"
+    advice = " (lr_schedule_type=wsd extends a run in its stable phase at the same rate)" \
+        if c.lr_schedule_type != "wsd" else ""
+    return (f"note: {change}: the {c.lr_schedule_type} schedule is re-stretched, the learning rate at step {step} "
+            f"goes from {was:.3e} to {now:.3e}{advice}")
 
 
 def only_trained(inner: optax.GradientTransformation, trained) -> optax.GradientTransformation:
