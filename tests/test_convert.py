@@ -305,18 +305,25 @@ def test_llama3_rope_frequencies_match_transformers():
     assert (ours < plain).sum() >= 4  # the scaling really slows the long wavelengths here
 
 
-def test_an_imported_model_generates_to_its_own_context(tmp_path):
-    """config.json's max_position_embeddings (256 here) travels as the key of that name: generate runs a
-    32-token prompt to 256 though the run's max_target_length is 128, and says which bound it hit past that."""
+def test_an_imported_model_generates_to_its_own_context(tmp_path, capsys):
+    """config.json's max_position_embeddings (2048 here) travels as the key of that name: generate runs a
+    32-token prompt to 2048 though the run's max_target_length is 128, and says which bound it hit past that."""
     from maxtrain.config.keys import ConfigError
-    random_hf_model("llama-gqa").save_pretrained(tmp_path / "hf")
+    random_hf_model("llama-gqa", max_position_embeddings=2048).save_pretrained(tmp_path / "hf")
     out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"))
-    assert "max_position_embeddings: 256" in (out / "maxtrain.yml").read_text()
-    c = config_lib.load([str(out / "maxtrain.yml"), "max_target_length=128", "max_new_tokens=224"])
-    generate.check_length(c, [[1] * 32], "prompt_ids")  # to 256
-    with pytest.raises(ConfigError, match=r"^max_new_tokens: 225 after a 32-token prompt exceeds "
-                                          r"max_position_embeddings=256, the context the model runs at"):
-        generate.check_length(c.replace(max_new_tokens=225), [[1] * 32], "prompt_ids")
+    assert "max_position_embeddings: 2048" in (out / "maxtrain.yml").read_text()
+    c = config_lib.load([str(out / "maxtrain.yml"), "max_target_length=128", "max_new_tokens=2017"])
+    with pytest.raises(ConfigError, match=r"^max_new_tokens: 2017 after a 32-token prompt exceeds "
+                                          r"max_position_embeddings=2048, the context the model runs at"):
+        generate.check_length(c, [[1] * 32], "prompt_ids")
+    prompt = ",".join(str(i) for i in range(5, 37))
+    capsys.readouterr()
+    code = generate.main([str(out / "maxtrain.yml"), "max_target_length=128", f"prompt_ids={prompt}",
+                          "max_new_tokens=2016"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-2000:]
+    ids = json.loads(next(x for x in printed.out.splitlines() if x.startswith("generated ids: ")).split(": ", 1)[1])
+    assert len(ids) == 2016  # positions 32 .. 2047: the model's whole context (no eos: none is set)
 
 
 def test_convert_help_names_every_supported_model_type(capsys):

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from maxtrain.config import platform_defaults, run_name as run_name_lib, validate
-from maxtrain.config.load import Config
+from maxtrain.config.load import Config, defaults
 from maxtrain.config.keys import INT_MAX, MESH_AXES, ConfigError, parallelism_key
 from maxtrain.parallel import rules as rules_lib
 from maxtrain.parallel.plan import Plan
@@ -104,7 +104,7 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
                           f"{c['per_device_batch_size']} x {num_devices} devices is not a whole batch")
     global_batch = int(global_batch)
     if c["run_name_derived"]:  # the global batch is part of what a run is
-        c["run_name"] = run_name_lib.with_global_batch(c, global_batch)
+        c["run_name"] = run_name_lib.with_global_batch(c, defaults(), global_batch)
     # the MoE router counts a step's assignments, global batch x length x top-k, as an int32
     tokens = global_batch * c["max_target_length"]
     top_k = c["num_experts_per_tok"] if c["num_experts"] > 1 else 1

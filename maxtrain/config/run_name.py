@@ -55,10 +55,9 @@ def derive(config_file: str, values: Mapping[str, Any], defaults: Mapping[str, A
     return f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:HASH_CHARS]}"
 
 
-def with_global_batch(values: Mapping[str, Any], global_batch: int) -> str:
+def with_global_batch(values: Mapping[str, Any], defaults: Mapping[str, Any], global_batch: int) -> str:
     """A derived name again, now that the global batch is known (the stem is the load's)."""
-    from maxtrain.config.load import defaults  # (load imports this module)
-    return derive(values["run_name"].rsplit("-", 1)[0], values, defaults(), global_batch)
+    return derive(values["run_name"].rsplit("-", 1)[0], values, defaults, global_batch)
 
 
 def note(config_file: str, name: str) -> str:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from maxtrain.runtime import storage
 from maxtrain.runtime.errors import ConfigError
-
-if TYPE_CHECKING:
-    from maxtrain.config.load import Config
 
 
 class Tokenizer:
@@ -197,7 +193,7 @@ def _special_tokens(path: str, spec: dict) -> dict[str, tuple[str, str]]:
     return found
 
 
-def make_tokenizer(c: Config, check_vocab: bool = True) -> Tokenizer:
+def make_tokenizer(c, check_vocab: bool = True) -> Tokenizer:
     """The configured tokenizer; `check_vocab`: refuse one larger than the model's vocab_size."""
     if c.tokenizer_type == "byte":
         tok = ByteTokenizer(c.add_bos, c.add_eos)

@@ -197,14 +197,14 @@ def _mtp_tensors(m: Keys) -> list[Tensor]:
 _COMMON = hf.COMMON | {"rms_norm_eps": 1e-6, "attention_bias": False}
 HF = HFMapping(
     types={
-        "deepseek_v3": HFType("DeepseekV3ForCausalLM", "DeepseekV3Config", _COMMON | dict(
+        "deepseek_v3": HFType("DeepseekV3ForCausalLM", "DeepseekV3Config", {"max_position_embeddings": 4096} | _COMMON | dict(
             zip(hf.SHAPE, (129280, 7168, 18432, 61, 128, 128))) | {
             "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_routed_experts": 256,
             "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
             "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
             "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True, "rope_parameters": None,
             "bos_token_id": 0, "eos_token_id": 1}),
-        "deepseek_v2": HFType("DeepseekV2ForCausalLM", "DeepseekV2Config", _COMMON | dict(
+        "deepseek_v2": HFType("DeepseekV2ForCausalLM", "DeepseekV2Config", {"max_position_embeddings": 2048} | _COMMON | dict(
             zip(hf.SHAPE, (102400, 4096, 11008, 32, 32, None))) | {
             "head_dim": None, "mlp_bias": False, "first_k_dense_replace": 0, "kv_lora_rank": 512, "q_lora_rank": 1536,
             "n_group": None, "n_routed_experts": 64, "n_shared_experts": 2, "qk_nope_head_dim": 128,

@@ -136,11 +136,11 @@ _SHARED = {"hidden_activation": ACTIVATION, "rms_norm_eps": 1e-6, "tie_word_embe
            "use_bidirectional_attention": None, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
 HF = HFMapping(
     types={
-        "gemma3_text": HFType("Gemma3ForCausalLM", "Gemma3TextConfig", dict(zip(hf.SHAPE, (
+        "gemma3_text": HFType("Gemma3ForCausalLM", "Gemma3TextConfig", {"max_position_embeddings": 131072} | dict(zip(hf.SHAPE, (
             262_208, 2304, 9216, 26, 8, 4))) | _SHARED | {
             "rope_theta": 1_000_000.0, "sliding_window": 4096, "final_logit_softcapping": None,
             "attn_logit_softcapping": None, "use_bidirectional_attention": False}),
-        "gemma2": HFType("Gemma2ForCausalLM", "Gemma2Config", dict(zip(hf.SHAPE, (
+        "gemma2": HFType("Gemma2ForCausalLM", "Gemma2Config", {"max_position_embeddings": 8192} | dict(zip(hf.SHAPE, (
             256_000, 2304, 9216, 26, 8, 4))) | _SHARED | {
             "rope_theta": 10000.0, "sliding_window": 4096, "final_logit_softcapping": 30.0,
             "attn_logit_softcapping": 50.0}),

@@ -123,7 +123,7 @@ def _mlp_tensors(m: Keys, fused: bool) -> list[Tensor]:
 
 
 HF = HFMapping(
-    types={"gpt_oss": HFType("GptOssForCausalLM", "GptOssConfig", hf.COMMON | dict(
+    types={"gpt_oss": HFType("GptOssForCausalLM", "GptOssConfig", {"max_position_embeddings": 131072} | hf.COMMON | dict(
         zip(hf.SHAPE, (201088, 2880, 2880, 36, 64, 8))) | {
         "rope_theta": 150000.0, "rms_norm_eps": 1e-5, "head_dim": 64, "sliding_window": 128, "layer_types": None,
         "num_local_experts": 128, "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001, "swiglu_alpha": 1.702,

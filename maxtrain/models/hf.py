@@ -217,6 +217,7 @@ def hf_config_for(m: Keys, dtype: str, source: dict[str, Any] | None, max_positi
            "num_key_value_heads": m["base_num_kv_heads"], "head_dim": m["head_dim"],
            "rms_norm_eps": m["normalization_layer_epsilon"], "tie_word_embeddings": m["logits_via_embedding"],
            "dtype": dtype, "torch_dtype": dtype}
+    max_positions = max_positions or m.get("max_position_embeddings")  # (0: the source's, else 4096)
     if max_positions:
         hf["max_position_embeddings"] = max_positions
     rope = rope_parameters(m)

@@ -31,13 +31,13 @@ def _sliding_window(config: dict) -> int | None:
 
 HF = HFMapping(
     types={
-        "llama": HFType("LlamaForCausalLM", "LlamaConfig", hf.COMMON | _DEFAULTS | {
+        "llama": HFType("LlamaForCausalLM", "LlamaConfig", {"max_position_embeddings": 2048} | hf.COMMON | _DEFAULTS | {
             "head_dim": None, "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2},
             fresh={"attention_bias": False, "mlp_bias": False}),
-        "mistral": HFType("MistralForCausalLM", "MistralConfig", hf.COMMON | dict(
+        "mistral": HFType("MistralForCausalLM", "MistralConfig", {"max_position_embeddings": 131072} | hf.COMMON | dict(
             zip(hf.SHAPE, (32000, 4096, 14336, 32, 32, 8))) | {
             "head_dim": None, "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2}),
-        "qwen2": HFType("Qwen2ForCausalLM", "Qwen2Config", hf.COMMON | dict(
+        "qwen2": HFType("Qwen2ForCausalLM", "Qwen2Config", {"max_position_embeddings": 32768} | hf.COMMON | dict(
             zip(hf.SHAPE, (151936, 4096, 22016, 32, 32, 32))) | {
             "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
             "bos_token_id": None, "eos_token_id": None},

@@ -29,7 +29,7 @@ def _config(m: Keys, kind: str, config: dict) -> dict:
 
 
 HF = HFMapping(
-    types={"mixtral": HFType("MixtralForCausalLM", "MixtralConfig", hf.COMMON | dict(
+    types={"mixtral": HFType("MixtralForCausalLM", "MixtralConfig", {"max_position_embeddings": 131072} | hf.COMMON | dict(
         zip(hf.SHAPE, (32000, 4096, 14336, 32, 32, 8))) | {
         "rope_theta": 1e6, "rms_norm_eps": 1e-5, "head_dim": None, "sliding_window": None,
         "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,

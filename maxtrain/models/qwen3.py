@@ -18,7 +18,7 @@ def _hf_kind(m: Keys) -> str:
 
 
 HF = HFMapping(
-    types={"qwen3": HFType("Qwen3ForCausalLM", "Qwen3Config", hf.COMMON | dict(
+    types={"qwen3": HFType("Qwen3ForCausalLM", "Qwen3Config", {"max_position_embeddings": 32768} | hf.COMMON | dict(
         zip(hf.SHAPE, (151936, 4096, 22016, 32, 32, 32))) | {
         "head_dim": 128, "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096,
         "max_window_layers": 28, "layer_types": None, "bos_token_id": None, "eos_token_id": None},

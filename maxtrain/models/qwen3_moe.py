@@ -41,7 +41,7 @@ def _config(m: Keys, kind: str, config: dict) -> dict:
 
 
 HF = HFMapping(
-    types={"qwen3_moe": HFType("Qwen3MoeForCausalLM", "Qwen3MoeConfig", hf.COMMON | dict(
+    types={"qwen3_moe": HFType("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"max_position_embeddings": 32768} | hf.COMMON | dict(
         zip(hf.SHAPE, (151936, 2048, 6144, 24, 32, 4))) | {
         "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096, "decoder_sparse_step": 1,
         "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": False,
