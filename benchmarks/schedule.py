@@ -1,6 +1,7 @@
 """Warmup-stable-decay against cosine on Tiny Shakespeare (configs/shakespeare.yml), and a WSD run extended:
-600 steps of each schedule, and a WSD run of 300 steps extended to 600 (the same command with steps=600: its
-stable phase goes on at the peak and only the new end decays), all evaluated on the held-out speeches.
+600 steps of each schedule, and a WSD run of 300 steps extended to 600 (the same command with steps=600: it
+goes back to its last step at the peak, 240, and only the new end decays), all evaluated on the held-out
+speeches.
 
     python benchmarks/schedule.py [--steps 600] [--decay 0.2] [--work /tmp/maxtrain-schedule]
 

@@ -275,3 +275,22 @@ def test_a_wsd_run_extended_in_its_stable_phase_goes_on_at_the_same_rate(train_t
             assert re.search(r"note: learning_rate_schedule_steps is 200 where the last start's was 100: the "
                              r"cosine schedule is re-stretched, the learning rate at step 60 goes from \S+ to \S+ "
                              r"\(lr_schedule_type=wsd extends", out), out
+
+
+def test_a_wsd_run_extended_after_its_decay_goes_back_to_its_last_stable_step(train_tiny, tmp_path, capsys):
+    """The steps after the peak decayed toward the old end: an extension resumes from the checkpoint saved at
+    the old schedule's last stable step (always saved), the decayed ones kept aside, and trains on at the peak."""
+    args = ("run_name=ext", "lr_schedule_type=wsd", "wsd_decay_steps_fraction=0.2", "warmup_steps_fraction=0",
+            "enable_checkpointing=true", "checkpoint_period=1000")
+    train_tiny(*args, "steps=20", n_devices=1)
+    checkpoints = tmp_path / "ext" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["16", "20"]
+    capsys.readouterr()
+    train_tiny(*args, "steps=22", "learning_rate_schedule_steps=40", n_devices=1)
+    out = capsys.readouterr().out
+    assert ("a wsd run extended (learning_rate_schedule_steps 20 -> 40): resuming from step 16 (kept aside: "
+            "20.decayed)") in out and f"resumed from {checkpoints}/16" in out
+    rows = [json.loads(x) for x in (tmp_path / "ext" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["train/learning_rate"] for r in rows if "train/learning_rate" in r}
+    assert lrs[17] == lrs[22] == pytest.approx(3e-3)  # at the peak again, where the 20-step run had decayed
+    assert (checkpoints / "20.decayed").is_dir()

@@ -136,8 +136,8 @@ def _agree(ok: bool, why: str, what: str) -> None:
 
 
 class Checkpointer:
-    def __init__(self, c: Config):
-        self.config = c
+    def __init__(self, c: Config, also_at: int | None = None):
+        self.config, self.also_at = c, also_at  # also_at: a step saved whatever the period
         self.directory = storage.absolute(c.base_output_directory, "base_output_directory") / c.run_name / "checkpoints"
         for leftover in incomplete_steps(self.directory):
             print(f"warning: ignoring incomplete checkpoint {leftover.name} (a save was interrupted)", flush=True)
@@ -157,8 +157,9 @@ class Checkpointer:
         self.trust = Trust(self.directory, c.loss_spike_factor)
 
     def due(self, step: int) -> bool:
-        """Every checkpoint_period steps. (Orbax's own schedule would also save a run's first step.)"""
-        return step % self.config.checkpoint_period == 0
+        """Every checkpoint_period steps, and a wsd schedule's last step before its decay (where an extended
+        run goes on from). (Orbax's own schedule would also save a run's first step.)"""
+        return step % self.config.checkpoint_period == 0 or step == self.also_at
 
     def save(self, step: int, state, data_state: dict) -> None:
         """Starts saving `step` (the loop decides when); returns once device buffers are copied."""
@@ -312,6 +313,17 @@ class Checkpointer:
             moved = self._move_aside(bad)
             say(f"warning: checkpoint {self.directory / str(bad)} is unusable ({why}); {then} "
                 f"(moved to {moved.name})", flush=True)
+
+    def set_aside_after(self, step: int, why: str, then: str) -> None:
+        """Moves the steps after `step` out of the run (kept as `<step>.<why>`), if `step` is saved: the run
+        resumes there (a wsd run extended goes back to its last step before the decay)."""
+        steps = self.manager.all_steps()
+        later = sorted(s for s in steps if s > step)
+        if step not in steps or not later:
+            return
+        moved = [self._move_aside(s, why).name for s in later]
+        if jax.process_index() == 0:
+            print(f"{then}: resuming from step {step} (kept aside: {', '.join(moved)})", flush=True)
 
     def _restore_step(self, step: int, abstract_state):
         where = str(self.directory / str(step))

@@ -61,7 +61,7 @@ class TrainLoop:
             if self.c.enable_checkpointing:
                 # orbax is slow to import, so runs that neither save nor load do without it
                 from maxtrain.checkpoint import manager as ckpt_lib
-                self.checkpointer = ckpt_lib.Checkpointer(self.c)
+                self.checkpointer = ckpt_lib.Checkpointer(self.c, also_at=optimizer.stable_end(self.c))
             self.start_data = self.batches.get_state()  # where a rollback with no checkpoint restarts the data
             with mesh_lib.activate(self.trainer.mesh, self.trainer.rules):
                 self.start()
@@ -81,9 +81,15 @@ class TrainLoop:
         """The state (restored, loaded or new) while the step compiles; the metrics writer; the step."""
         c = self.c
         with progress.heartbeat("initializing the state and compiling the train step", since=self.t_compile) as beat:
+            previous = run_dir_lib.last_start_config(self.run_dir)
+            stable = optimizer.extend_from(c, previous)
+            if stable is not None and self.checkpointer is not None:  # the decayed steps are the old end's
+                self.checkpointer.set_aside_after(stable, "decayed", "a wsd run extended (learning_rate_schedule_steps "
+                                                  f"{previous['learning_rate_schedule_steps']} -> "
+                                                  f"{c.learning_rate_schedule_steps})")
             self.state = initial_state(c, self.trainer, self.checkpointer, self.batches)
             t_state = time.perf_counter() - self.t_compile
-            note = optimizer.extension_note(c, run_dir_lib.last_start_config(self.run_dir), int(self.state.step))
+            note = optimizer.extension_note(c, previous, int(self.state.step))
             if note:
                 say(note)
             record = run_record.record(c, self.run_dir, int(self.state.step))

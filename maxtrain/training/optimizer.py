@@ -39,6 +39,27 @@ def learning_rate_schedule(c: Config) -> optax.Schedule:
     return parts[0] if len(parts) == 1 else optax.join_schedules(parts, bounds)
 
 
+def stable_end(c) -> int | None:
+    """A wsd schedule's last step at the peak (a checkpoint is saved there); None for the other schedules."""
+    if c["lr_schedule_type"] != "wsd":
+        return None
+    total = c["learning_rate_schedule_steps"]
+    return total - int(round(c["wsd_decay_steps_fraction"] * total))
+
+
+def extend_from(c: Config, previous: dict | None) -> int | None:
+    """The step a wsd run extended with a longer schedule goes back to: the old schedule's last step at the
+    peak, when the new one is still at the peak there (the steps after it decayed towards the old end)."""
+    if not previous or previous.get("lr_schedule_type") != "wsd" or stable_end(c) is None:
+        return None
+    try:
+        old = stable_end(previous)
+    except (KeyError, TypeError):
+        return None
+    return old if old < stable_end(c) and previous["learning_rate_schedule_steps"] < c.learning_rate_schedule_steps \
+        else None
+
+
 def describe_schedule(c: Config) -> str:
     """The schedule in a few words, for the run's first line."""
     total = c.learning_rate_schedule_steps
