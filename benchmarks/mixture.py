@@ -35,10 +35,12 @@ def code_corpus(folder: Path, megabytes: float = 8.0) -> str:
 
 
 def train(work: Path, name: str, *args) -> tuple[dict, float]:
+    """(the last eval row of metrics.jsonl, seconds) of `python -m maxtrain.train configs/shakespeare.yml ...`
+    under `work`/`name` (benchmarks/schedule.py runs its schedules through this too)."""
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "maxtrain.train", "configs/shakespeare.yml", f"run_name={name}",
-                           f"base_output_directory={work}", "sample_interval=0", "enable_checkpointing=false",
-                           "metrics_backends=jsonl", *args], cwd=REPO, capture_output=True, text=True)
+                           f"base_output_directory={work}", "sample_interval=0", "metrics_backends=jsonl", *args],
+                          cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(proc.stderr[-2000:])
     rows = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
@@ -55,9 +57,10 @@ def main() -> None:
         import shutil
         shutil.rmtree(work)
     code = code_corpus(work / "code")
-    alone, t_alone = train(work, "alone", f"steps={a.steps}", f"eval_interval={a.steps}")
+    off = "enable_checkpointing=false"
+    alone, t_alone = train(work, "alone", f"steps={a.steps}", f"eval_interval={a.steps}", off)
     mix = {"shakespeare": {"files": "data/tinyshakespeare.txt", "weight": 0.5}, "code": {"files": code, "weight": 0.5}}
-    mixed, t_mixed = train(work, "mixed", f"steps={2 * a.steps}", f"eval_interval={2 * a.steps}", 'train_files=',
+    mixed, t_mixed = train(work, "mixed", f"steps={2 * a.steps}", f"eval_interval={2 * a.steps}", off, 'train_files=',
                            "data_sources=" + json.dumps(mix))
     ratio = mixed["eval/shakespeare/loss"] / alone["eval/loss"]
     print("| run | steps | Shakespeare tokens | Shakespeare eval loss | code eval loss | time |")

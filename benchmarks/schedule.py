@@ -9,26 +9,17 @@ Prints a table of eval losses and the extended run's ratio to the uninterrupted 
 """
 
 import argparse
-import json
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).parent.parent
+import mixture  # same folder
 
 
 def train(work: Path, name: str, *args) -> tuple[float, float]:
-    """(the last eval loss, seconds) of `python -m maxtrain.train configs/shakespeare.yml ...`."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "maxtrain.train", "configs/shakespeare.yml", f"run_name={name}",
-                           f"base_output_directory={work}", "sample_interval=0", "metrics_backends=jsonl",
-                           "checkpoint_period=100000", *args], cwd=REPO, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(proc.stderr[-2000:])
-    rows = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "eval/loss" in r][-1]["eval/loss"], time.perf_counter() - t0
+    """(the last eval loss, seconds): benchmarks/mixture.py's run of configs/shakespeare.yml, saving only at the end
+    and at the wsd schedule's last stable step (an extension resumes there)."""
+    row, seconds = mixture.train(work, name, "checkpoint_period=100000", *args)
+    return row["eval/loss"], seconds
 
 
 def main() -> None:
