@@ -1,12 +1,14 @@
 """Context parallelism: the `context` mesh axis splits each sequence's positions; training is the same."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from maxtrain.ops import attention
-from maxtrain.config import keys as config_keys
+from maxtrain.config import keys as config_keys, load as config_lib
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 
@@ -109,6 +111,52 @@ def test_the_load_balanced_layout_gives_every_shard_the_same_work(shards):
     assert sorted(attention.zigzag_order(length, shards)) == list(range(length))
 
 
+def rules_with(**targets) -> str:
+    """base.yml's logical_axis_rules with these logical names mapped elsewhere, as a key=value override."""
+    rule_list = [[name, targets.get(name, target)] for name, target in config_lib.defaults()["logical_axis_rules"]]
+    return json.dumps(rule_list)
+
+
+# Rule sets that split a sequence's positions differently on the same context mesh (the tests' own variety)
+RULE_SETS = {"default": "", "length replicated": rules_with(length=None, cache_length=None),
+             "length on context and tensor": rules_with(length=["context", "tensor"], vocab=None, heads=None,
+                                                        kv_heads=None, mlp=None, moe_mlp=None)}
+
+
+@pytest.mark.parametrize("balance", BALANCE)
+def test_a_context_mesh_whose_rules_keep_sequences_whole_trains_as_one_device(train_tiny, one_device, balance):
+    """context 2 x fsdp 4 with `length` mapped to nothing: no device splits a sequence, so nothing is reordered
+    for load balancing (it once was, while the kernels masked by index: a wrong loss, exit 0)."""
+    losses = train_tiny(*MODEL, *MESHES["context2"], *BALANCE[balance], "per_device_batch_size=1",
+                        f"logical_axis_rules={RULE_SETS['length replicated']}")["losses"]
+    np.testing.assert_allclose(losses, one_device["synthetic"], rtol=RTOL)
+
+
+@pytest.mark.parametrize("rule_set", RULE_SETS)
+@pytest.mark.parametrize("mesh", ["context2", "context4xfsdp2", "context2xtensor2xdata2"])
+def test_every_caller_gets_one_answer_to_how_a_sequence_splits(tiny_config, rule_set, mesh):
+    """The config's planners, the batch's sharding, the traced kernels' view, the load-balancing reorder and
+    decoding all ask rules.sequence_shards."""
+    from maxtrain.infer.decode import PROMPT_MULTIPLE, Engine
+    from maxtrain.parallel import rules
+    extra = (f"logical_axis_rules={RULE_SETS[rule_set]}",) if RULE_SETS[rule_set] else ()
+    c = tiny_config(*MODEL, *MESHES[mesh], "per_device_batch_size=1", *extra)
+    answer = rules.sequence_shards(c.logical_axis_rules, c.mesh_shape)
+    mesh_ = mesh_lib.make_mesh(c, jax.devices())
+    trainer = step_lib.build(c, mesh_)
+    B, L = c.global_batch_size, c.max_target_length
+    assert L // trainer.batch_sharding.shard_shape((B, L))[1] == answer
+    with mesh_lib.activate(mesh_, trainer.rules):
+        assert rules.length_shards() == answer
+    batch = {"inputs": np.tile(np.arange(L), (B, 1))}
+    reordered = not np.array_equal(step_lib.load_balancer(c)(batch)["inputs"], batch["inputs"])
+    assert reordered == (answer > 1 and c.context_parallel_load_balance)
+    assert Engine(c, mesh_).multiple == np.lcm(PROMPT_MULTIPLE, answer)
+    expected = {"default": c.mesh_shape["context"], "length replicated": 1,
+                "length on context and tensor": c.mesh_shape["context"] * c.mesh_shape["tensor"]}[rule_set]
+    assert answer == expected
+
+
 @pytest.mark.parametrize("overrides,message", [
     (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=24"),
      "max_target_length: 24 does not split into 16 equal pieces"),
@@ -116,11 +164,13 @@ def test_the_load_balanced_layout_gives_every_shard_the_same_work(shards):
       "context_parallel_load_balance=false"), "max_target_length: 20 does not split into 8 equal pieces"),
     (("ici_context_parallelism=4", "attention=splash", "max_target_length=256"),
      "attention: splash needs each device's share of the sequence in blocks of 128: max_target_length 256 / "
-     "context 4 = 64"),
+     "context (4) = 64"),
     (("ici_context_parallelism=4", "loss_chunk_size=16"),
-     "loss_chunk_size: 16 must divide each device's share of the sequence: max_target_length 32 / context 4 = 8"),
+     "loss_chunk_size: 16 must divide each device's share of the sequence: max_target_length 32 / context (4) = 8"),
     (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "per_device_batch_size=0.0625"),
      "per_device_batch_size: 0.0625 x 8 devices is not a whole batch"),
+    (("ici_context_parallelism=2", f"logical_axis_rules={rules_with(length='fsdp')}"),
+     "logical_axis_rules: `length` splits over ['fsdp'] in ['length'] but over nothing in the token batch"),
 ])
 def test_bad_context_settings_name_the_key(tiny_config, overrides, message):
     with pytest.raises(config_keys.ConfigError) as err:

@@ -21,7 +21,8 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
         c["dtype"] = dtype_for(platform, c["base_emb_dim"])
     if c["attention"] == "auto":
         quantized = "attention" in quantization.targets(c)
-        c["attention"] = attention_for(platform, c["max_target_length"] // c["mesh_shape"]["context"], quantized)
+        share = c["max_target_length"] // rules.sequence_shards(c["logical_axis_rules"], c["mesh_shape"])
+        c["attention"] = attention_for(platform, share, quantized)
     auto_matmul = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")  # see maxtrain.ops.grouped_matmul
     if c["moe_grouped_matmul"] == "auto":
         c["moe_grouped_matmul"] = auto_matmul
@@ -113,7 +114,8 @@ def auto_chunks(c: dict[str, Any]) -> None:
     def shards(logical: str, size: int | None = None) -> int:  # with a size: as the resolver splits it
         return rules.shards(c["logical_axis_rules"], logical, c["mesh_shape"], size)
     rows = c["global_batch_size"] / shards("batch") / c["gradient_accumulation_steps"]
-    length = c["max_target_length"] // shards("length")  # each device's positions (chunks split those)
+    # each device's positions (chunks split those)
+    length = c["max_target_length"] // rules.sequence_shards(c["logical_axis_rules"], c["mesh_shape"])
     itemsize = 2 if c["dtype"] == "bfloat16" else 4
     vocab = padded_vocab(c["vocab_size"])
     sizes = {"loss_chunk_size": rows * length * vocab / shards("vocab", vocab) * 4,

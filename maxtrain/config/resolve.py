@@ -92,11 +92,16 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
                               f"the attention heads are split over the tensor axis ({tensor})")
     if c["num_experts"] > 1:
         _check_expert_sharding(c, shape, ici, dcn)
-    pieces = shape["context"] * (2 if c["context_parallel_load_balance"] else 1)
-    if shape["context"] > 1 and c["max_target_length"] % pieces:
-        why = " x 2 (context_parallel_load_balance)" if pieces > shape["context"] else ""
+    conflict = rules_lib.sequence_layout_conflict(c["logical_axis_rules"])
+    if conflict:
+        raise ConfigError("logical_axis_rules", conflict)
+    seq_shards = rules_lib.sequence_shards(c["logical_axis_rules"], shape)  # the one answer: every caller asks it
+    seq_axes = " x ".join(f"{a} ({shape[a]})" for a in rules_lib.sequence_axes(c["logical_axis_rules"]) if shape[a] > 1)
+    pieces = seq_shards * (2 if c["context_parallel_load_balance"] else 1)
+    if seq_shards > 1 and c["max_target_length"] % pieces:
+        why = " x 2 (context_parallel_load_balance)" if pieces > seq_shards else ""
         raise ConfigError("max_target_length", f"{c['max_target_length']} does not split into {pieces} equal pieces: "
-                          f"the context axis ({shape['context']}){why}")
+                          f"the mesh axes of `length`, {seq_axes}{why}")
 
     global_batch = c["per_device_batch_size"] * num_devices
     if global_batch != int(global_batch) or global_batch < 1:
@@ -139,15 +144,14 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
     c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
              mesh_shape=shape, global_batch_size=global_batch, pipeline_microbatches=micro,
              pipeline_repeats=schedule["num_pipeline_repeats"])
-    share = c["max_target_length"] // shape["context"]
+    share = c["max_target_length"] // seq_shards
+    split = f"max_target_length {c['max_target_length']} / {seq_axes or '1 device'} = {share}"
     for key in ("loss_chunk_size", "mlp_chunk_size"):
         if c[key] > 0 and share % c[key]:
-            raise ConfigError(key, f"{c[key]} must divide each device's share of the sequence: max_target_length "
-                              f"{c['max_target_length']} / context {shape['context']} = {share}")
+            raise ConfigError(key, f"{c[key]} must divide each device's share of the sequence: {split}")
     c.update(platform_defaults.choose(c, platform))
     if c["attention"] == "splash" and share % 128:
-        raise ConfigError("attention", f"splash needs each device's share of the sequence in blocks of 128: "
-                          f"max_target_length {c['max_target_length']} / context {shape['context']} = {share}")
+        raise ConfigError("attention", f"splash needs each device's share of the sequence in blocks of 128: {split}")
     return Resolved(c)
 
 

@@ -81,7 +81,8 @@ class Engine:
         self.param_shardings = rules_lib.param_shardings(nn.get_partition_spec(boxed), self.param_shapes, mesh,
                                                          self.rules)
         self.batch_shards = rules_lib.shards(self.rules, "batch", c.mesh_shape)
-        self.multiple = math.lcm(PROMPT_MULTIPLE, c.mesh_shape["context"] * (128 if c.attention == "splash" else 1))
+        seq_shards = rules_lib.sequence_shards(c.logical_axis_rules, c.mesh_shape)
+        self.multiple = math.lcm(PROMPT_MULTIPLE, seq_shards * (128 if c.attention == "splash" else 1))
         self._compiled: dict = {}
 
     # ---- the parameters as decoding runs them

@@ -59,6 +59,39 @@ def shards(rules, name: str, mesh_shape, size: int | None = None) -> int:
     return math.prod(mesh_shape[a] for a in axes)
 
 
+# ---------------------------------------------------------------------------------------------
+# How a sequence's positions split over devices (context parallelism): one answer, asked by the batch's
+# layout, the load-balancing reorder, the attention kernels, the planners and decoding alike.
+
+# Every logical layout a sequence's positions take: the token batch, activations, q/k/v, logits, the MLP.
+SEQUENCE_LAYOUTS = (("batch", "length"), ("length",), ("batch", "length", "embed"),
+                    ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim"),
+                    ("batch", "heads", "length", "head_dim"), ("batch", "length", "vocab"),
+                    ("batch", "length", "mlp"))
+
+
+def sequence_axes(rules) -> list[str]:
+    """The mesh axes that split a sequence's positions: `length`'s in the token batch's layout."""
+    return mesh_axes(rules, ("batch", "length"))[1]
+
+
+def sequence_shards(rules, mesh_shape) -> int:
+    """How many devices split a sequence's positions (1: every device holds whole sequences)."""
+    return math.prod(mesh_shape[a] for a in sequence_axes(rules))
+
+
+def sequence_layout_conflict(rules) -> str | None:
+    """Where the rules would split positions one way in the batch and another in some activation (the kernels
+    and the load balancing assume one way): that layout and its axes, or None."""
+    batch = sequence_axes(rules)
+    for names in SEQUENCE_LAYOUTS:
+        axes = mesh_axes(rules, names)[names.index("length")]
+        if axes != batch:
+            return (f"`length` splits over {axes or 'nothing'} in {list(names)} but over {batch or 'nothing'} in "
+                    "the token batch ['batch', 'length']: give `length` the same mesh axes in every layout")
+    return None
+
+
 def partition_spec(axes) -> PartitionSpec:
     return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else tuple(a) for a in axes))
 
@@ -134,8 +167,9 @@ def splits_evenly(logical: tuple, shape) -> bool:
 
 
 def length_shards() -> int:
-    """How many devices split a sequence's positions (context parallelism)."""
-    return active_shards(("length",))[0]
+    """sequence_shards under the mesh and rules in scope (1 outside a mesh)."""
+    mesh, rules = _active()
+    return 1 if mesh is None else sequence_shards(rules, mesh.shape)
 
 
 def constrain(x, logical: tuple):

@@ -88,7 +88,7 @@ def load_balancer(c: Config) -> Callable[[dict], dict]:
     """Under context parallelism with context_parallel_load_balance, the batch in zigzag order along its
     positions (attention.zigzag_order), every [B, L] array alike: each context shard gets the same
     causal attention work, and the loss, a masked sum over positions, is the same number."""
-    shards = c.mesh_shape["context"]
+    shards = rules_lib.sequence_shards(c.logical_axis_rules, c.mesh_shape)
     if shards == 1 or not c.context_parallel_load_balance:
         return lambda batch: batch
     order = attention.zigzag_order(c.max_target_length, shards)
