@@ -3,7 +3,10 @@
 goes back to its last step at the peak, 240, and only the new end decays), all evaluated on the held-out
 speeches.
 
-    python benchmarks/schedule.py [--steps 600] [--decay 0.2] [--work /tmp/maxtrain-schedule]
+    python benchmarks/schedule.py [--steps 600] [--decay 0.2] [--warmup 30] [--work /tmp/maxtrain-schedule]
+
+Every run warms up for the same --warmup steps (warmup_steps: a fraction of the schedule would warm the 300-step
+run up for half as long as the 600-step one, and the extension would not be the run it extends).
 
 Prints a table of eval losses and the extended run's ratio to the uninterrupted one (within 1% asked).
 """
@@ -26,17 +29,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--decay", type=float, default=0.2)
+    ap.add_argument("--warmup", type=int, default=30, help="warmup_steps of every run (shakespeare.yml's 5%% of 600)")
     ap.add_argument("--work", default="/tmp/maxtrain-schedule")
     a = ap.parse_args()
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     n, half = a.steps, a.steps // 2
     wsd = ("lr_schedule_type=wsd", f"wsd_decay_steps_fraction={a.decay}")
-    every = f"eval_interval={half}"
-    rows = [("cosine", *train(work, "cosine", f"steps={n}", every)),
-            (f"wsd, {a.decay:g} decay", *train(work, "wsd", f"steps={n}", every, *wsd))]
-    first, t1 = train(work, "extended", f"steps={half}", every, *wsd)
-    extended, t2 = train(work, "extended", f"steps={n}", every, *wsd)
+    every = (f"eval_interval={half}", f"warmup_steps={a.warmup}")
+    rows = [("cosine", *train(work, "cosine", f"steps={n}", *every)),
+            (f"wsd, {a.decay:g} decay", *train(work, "wsd", f"steps={n}", *every, *wsd))]
+    first, t1 = train(work, "extended", f"steps={half}", *every, *wsd)
+    extended, t2 = train(work, "extended", f"steps={n}", *every, *wsd)
     rows.append((f"wsd, {half} steps ({first:.4f}) extended to {n}", extended, t1 + t2))
     print(f"| schedule ({n} steps, configs/shakespeare.yml) | eval loss | time |\n|---|---:|---:|")
     for name, loss, seconds in rows:

@@ -252,6 +252,10 @@ def test_wsd_holds_the_peak_then_decays_the_last_fraction(tiny_config):
     assert [float(longer(s)) for s in range(20, 160)] == [1.0] * 140  # extended in its stable phase: no jump
     from maxtrain.training.optimizer import describe_schedule
     assert describe_schedule(c) == "lr wsd 1 (warmup 10, stable to step 80, linear decay to 0.1x at 100)"
+    # an absolute warmup stays what it was when the schedule is extended; the fraction's grows with it
+    fixed = c.replace(warmup_steps=10, learning_rate_schedule_steps=200)
+    assert float(learning_rate_schedule(fixed)(5)) == pytest.approx(0.5)
+    assert float(learning_rate_schedule(c.replace(learning_rate_schedule_steps=200))(5)) == pytest.approx(0.25)
 
 
 def test_a_wsd_run_extended_in_its_stable_phase_goes_on_at_the_same_rate(train_tiny, tmp_path, capsys):

@@ -40,6 +40,9 @@ def validate(c: dict[str, Any]) -> None:
                           f"base_num_query_heads={c['base_num_query_heads']}")
     if not 0 <= c["warmup_steps_fraction"] <= 1:
         raise ConfigError("warmup_steps_fraction", "must be in [0, 1]")
+    if c["warmup_steps"] < -1:
+        raise ConfigError("warmup_steps", f"must be -1 (= warmup_steps_fraction of the schedule) or >= 0, got "
+                          f"{c['warmup_steps']}")
     for key in ("cosine_learning_rate_final_fraction", "wsd_decay_steps_fraction"):
         if not 0 <= c[key] <= 1:
             raise ConfigError(key, "must be in [0, 1]")

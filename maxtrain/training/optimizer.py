@@ -11,12 +11,20 @@ from maxtrain.config.load import Config
 from maxtrain.models import registry
 
 
+def warmup_steps(c) -> int:
+    """warmup_steps, or warmup_steps_fraction of the schedule when it is -1 (then an extended schedule warms up
+    longer: a run that may be extended sets warmup_steps so its past stays the run it would have been)."""
+    if c["warmup_steps"] >= 0:
+        return min(c["warmup_steps"], c["learning_rate_schedule_steps"])
+    return int(c["warmup_steps_fraction"] * c["learning_rate_schedule_steps"])
+
+
 def learning_rate_schedule(c: Config) -> optax.Schedule:
     """Linear warmup, then: cosine or linear decay to the final fraction at learning_rate_schedule_steps, a
     constant, or warmup-stable-decay (wsd: the peak until the last wsd_decay_steps_fraction of the schedule,
     then down to the final fraction, so a run extended in its stable phase goes on at the same rate)."""
     total = c.learning_rate_schedule_steps
-    warmup = int(c.warmup_steps_fraction * total)
+    warmup = warmup_steps(c)
     peak, final = c.learning_rate, c.learning_rate * c.cosine_learning_rate_final_fraction
     alpha = final / peak if peak else 0.0
     decay_steps = max(total - warmup, 1)
@@ -63,7 +71,7 @@ def extend_from(c: Config, previous: dict | None) -> int | None:
 def describe_schedule(c: Config) -> str:
     """The schedule in a few words, for the run's first line."""
     total = c.learning_rate_schedule_steps
-    warmup = int(c.warmup_steps_fraction * total)
+    warmup = warmup_steps(c)
     head = f"lr {c.lr_schedule_type} {c.learning_rate:g}" + (f" (warmup {warmup}" if warmup else " (")
     sep = ", " if warmup else ""
     final = f"{c.cosine_learning_rate_final_fraction:g}x"
@@ -82,7 +90,7 @@ def extension_note(c: Config, previous: dict | None, step: int) -> str | None:
         return None
     try:
         before = c.replace(**{k: previous[k] for k in ("learning_rate_schedule_steps", "lr_schedule_type",
-                                                        "warmup_steps_fraction") if k in previous})
+                                                        "warmup_steps_fraction", "warmup_steps") if k in previous})
         was, now = float(learning_rate_schedule(before)(step)), float(learning_rate_schedule(c)(step))
     except (TypeError, ValueError):  # a record from before these keys
         return None
