@@ -18,7 +18,7 @@ from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.observe import metrics
 from maxtrain.training import step as step_lib
 from maxtrain import train
-from maxtrain.models.remat import POLICY_NAMES
+from maxtrain.parallel.remat import POLICY_NAMES
 
 CONFIG = [str(Path(__file__).parent.parent / "configs" / "base.yml"),
           "vocab_size=8192", "base_emb_dim=512", "base_num_query_heads=8", "base_num_kv_heads=8",

@@ -14,7 +14,7 @@ if __name__ == "__main__":
     interrupts.watch()  # first thing: Ctrl-C and SIGTERM end the start-up at once, in one line
     from maxtrain.runtime.hugepages import reexec_with_huge_pages
     reexec_with_huge_pages()
-    from maxtrain.runtime.distributed import supervise
+    from maxtrain.launch.distributed import supervise
     supervise(sys.argv[1:])  # a multi-process run trains in a child: a lost peer is one line, not an abort
 
 import concurrent.futures
@@ -24,12 +24,13 @@ import time
 from maxtrain.config import load as config_lib, platform_defaults, help as cli_help, run_name as run_name_lib
 
 from maxtrain.config import validate as config_validate
-from maxtrain.runtime import errors, distributed, platform_env, run_dir as run_dir_lib, storage
+from maxtrain.launch import distributed, run_dir as run_dir_lib
+from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.data import pipeline as data
 from maxtrain.observe import fit, writers as metric_writers, progress, run_record, summary
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import optimizer, step as step_lib
-from maxtrain.runtime.startup import load_config, say
+from maxtrain.launch.startup import load_config, say
 from maxtrain.training.loop import TrainLoop
 from maxtrain.training.samples import Samples
 

@@ -116,7 +116,7 @@ def test_the_readme_examples_pass_the_activation_check(argv):
     fit.check_activations(c, mesh_lib.make_mesh(c, jax.devices()))
 
 
-# README's TPU table ("Per-chip memory from that plain command"): what XLA planned per chip, GiB.
+# docs/scaling.md's TPU table ("Per-chip memory from that plain command"): what XLA planned per chip, GiB.
 README_TPU_ROWS = [
     ("llama2-7b", 64, ("per_device_batch_size=4", "max_target_length=4096"), 10.96),
     ("llama3-8b", 64, ("per_device_batch_size=4", "max_target_length=8192"), 17.50),
@@ -239,7 +239,7 @@ def test_gloos_abort_in_a_collective_is_one_line(tmp_path, monkeypatch, capfd, w
     """Under load gloo can notice a killed peer before the coordination service does: its exception ends
     the child through std::terminate. The survivor says which peer went away (or, for gloo's other
     failures, gloo's own words), in one line."""
-    from maxtrain.runtime import distributed
+    from maxtrain.launch import distributed
     c = config_lib.load([TINY, f"base_output_directory={tmp_path}", "num_processes=2", "process_id=0",
                          "coordinator_address=127.0.0.1:1"])
     monkeypatch.setattr(os.sys, "orig_argv", [os.sys.executable, "-c", GLOO_ABORT.replace("{what}", what)])

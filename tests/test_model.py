@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import maxtrain.ops.attention
-from maxtrain.models import remat, registry
+from maxtrain.models import registry
+from maxtrain.parallel import remat
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.decoder import Decoder, stack_layers, unstack_layers
 from maxtrain.models.layers import matmul

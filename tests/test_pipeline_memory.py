@@ -9,7 +9,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxtrain.models import remat
+from maxtrain.parallel import remat
 from maxtrain.parallel import pipeline
 
 LAYERS, D, WIDE, B, T = 8, 16, 48, 16, 8  # WIDE: the tagged intermediate's width, no other array has it

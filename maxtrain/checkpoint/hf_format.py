@@ -1,5 +1,5 @@
-"""The file side of HuggingFace conversion, shared by every family: how a tensor maps between a family's
-HF layout and maxtrain's (Tensor; each family's tables are in maxtrain.models), a safetensors reader, the
+"""The file side of HuggingFace conversion, shared by every family: a safetensors reader (how a tensor maps between a family's
+HF layout and maxtrain's, Tensor, is maxtrain.models.hf_tensors'), the
 files that travel with the weights, and the tokenizer settings that go with them. maxtrain.convert does
 the conversions.
 """
@@ -16,30 +16,8 @@ import ml_dtypes
 import numpy as np
 
 from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.models.hf_tensors import Tensor, hf_names, layer_name  # noqa: F401 (the tables' home: models)
 from maxtrain.runtime.errors import ConvertError
-
-
-@dataclass(frozen=True)
-class Tensor:
-    path: tuple[str, ...]  # maxtrain parameter path (inside one layer for per-layer tensors)
-    hf_name: str           # HF name (after "model.layers.<i>." for per-layer tensors); "{e}" marks the expert
-    hf_shape: tuple[int, ...]  # with experts: one expert's
-    to_maxtrain: Callable[[np.ndarray], np.ndarray]  # with experts: one expert's
-    to_hf: Callable[[np.ndarray], np.ndarray] | None  # None: read only (transformers' fused expert layout)
-    experts: int = 0       # > 0: one HF tensor per expert, stacked on maxtrain's leading experts axis
-    # export: more maxtrain parameters (paths as `path`) that to_hf takes after this one, for an HF tensor
-    # that holds several (gpt-oss's gate_up_proj); the others' Tensors have to_hf None
-    joins: tuple[tuple[str, ...], ...] = ()
-
-
-def layer_name(i: int, t: Tensor) -> str:
-    return f"model.layers.{i}.{t.hf_name}"
-
-
-def hf_names(t: Tensor, layer: int | None = None) -> list[str]:
-    """The HF tensors behind `t` (of layer `layer` for a per-layer one): one, or one per expert in order."""
-    name = t.hf_name if layer is None else layer_name(layer, t)
-    return [name.format(e=e) for e in range(t.experts)] if t.experts else [name]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,14 +7,15 @@ from __future__ import annotations
 import re
 
 from maxtrain.models import quantization
+from maxtrain.models.args import VOCAB_MULTIPLE, moe_width, padded_vocab  # noqa: F401 (model sizes: models.args)
+from maxtrain.parallel.mesh import MESH_AXES  # noqa: F401 (the mesh's axes: parallel.mesh)
 from maxtrain.runtime.errors import ConfigError  # noqa: F401 (its home is runtime.errors; imported from here too)
-
-MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")  # stage (the pipeline) outermost
 
 
 def parallelism_key(group: str, axis: str) -> str:
     """The key that sizes mesh `axis` in `group` (ici or dcn): MaxText's names, `pipeline` for stage."""
     return f"{group}_{'pipeline' if axis == 'stage' else axis}_parallelism"
+
 
 DTYPES = ("float32", "bfloat16")
 MODEL_KEYS = (
@@ -38,7 +39,7 @@ PATH_KEYS = ("prompt_file", "base_output_directory", "train_files", "eval_files"
 # router_aux_loss_coef, its context length), which a fine-tune may change: never part of the model's shape.
 MODEL_TRAINING_KEYS = ("load_balance_loss_weight", "mtp_loss_scaling_factor", "max_position_embeddings")
 PRESET_KEYS = (*MODEL_KEYS, *MODEL_TRAINING_KEYS)
-# Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.models.remat.
+# Keys whose value must be one of a fixed set. remat policies are listed by maxtrain.parallel.remat.
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", *DTYPES),
     "weight_dtype": DTYPES,
@@ -74,25 +75,11 @@ RENAMED = {"learning_rate_schedule": "renamed lr_schedule_type (MaxText's name):
            "enable_tensorboard": "replaced by metrics_backends (default tensorboard,jsonl; metrics_backends=jsonl "
                                  "writes no tensorboard events)"}
 
-# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
-# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
-# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
-# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
-VOCAB_MULTIPLE = 128
-
-
-def moe_width(m) -> int:
-    """Each expert's SwiGLU width: base_moe_mlp_dim, where -1 means base_mlp_dim."""
-    return m["base_mlp_dim"] if m["base_moe_mlp_dim"] == -1 else m["base_moe_mlp_dim"]
-
-
 # Values config.load derives from the keys alone and adds to the config (those that need the devices:
 # maxtrain.config.resolve.DERIVED).
 DERIVED_AT_LOAD = ("run_name_derived", "moe_mlp_dim", "num_params", "num_active_params")
 
 
-def padded_vocab(vocab: int) -> int:
-    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 FLOAT32_MAX = 3.4028234663852886e38  # float keys reach jax as float32: larger is inf there
 # Upper bounds (inclusive) of keys whose products reach jax as int32 or that unroll Python loops when
 # traced, far above any real model's values (the presets' largest: 256 experts); beside each, what the

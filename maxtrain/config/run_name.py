@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from maxtrain.config.keys import MESH_AXES, parallelism_key
+
 # Keys that do not change what is trained (the model, optimizer, data and their order): how long and how
 # often, where the outputs go, how the work is laid out on the devices, and the other entry points' keys.
 NOT_DEFINING = frozenset({
@@ -32,8 +34,7 @@ NOT_DEFINING = frozenset({
     "per_device_batch_size",  # the global batch (per device x devices) is what defines the run: derive() adds it
     "logical_axis_rules", "context_parallel_load_balance", "scan_unroll", "remat_policy", "mlp_chunk_size",
     "loss_chunk_size", "attention", "moe_grouped_matmul",
-    *(f"{group}_{axis}_parallelism" for group in ("ici", "dcn")
-      for axis in ("pipeline", "data", "fsdp", "expert", "context", "tensor")),
+    *(parallelism_key(group, axis) for group in ("ici", "dcn") for axis in MESH_AXES),
     "num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_pipeline_repeats",
 })
 HASH_CHARS = 8

@@ -16,7 +16,7 @@ from maxtrain.runtime import storage
 
 def validate(c: dict[str, Any]) -> None:
     """Every check that needs only the config (those that need the devices: maxtrain.config.resolve)."""
-    from maxtrain.models.remat import POLICY_NAMES  # the remat module owns the list of policies
+    from maxtrain.parallel.remat import POLICY_NAMES  # the remat module owns the list of policies
 
     choices = {**CHOICES, "remat_policy": POLICY_NAMES}
     for key, allowed in choices.items():
@@ -238,7 +238,7 @@ def _validate_moe(c: dict[str, Any]) -> None:
 def pipeline_settings(c: Mapping[str, Any]) -> dict[str, int]:
     """The pipeline's schedule: the pipeline keys with their -1s filled (the stages are known at load: no
     pipeline axis fills; the config keeps the keys as given, so a run's config.yml resumes on other stages),
-    after the checks of README "Pipeline parallelism". The pipeline runs the model's last stack (a
+    after the checks of docs/parallelism.md "Pipeline parallelism". The pipeline runs the model's last stack (a
     dense model's layers; an MoE model's MoE layers: its leading dense layers run before it, on every
     device, as the embedding does)."""
     stages = c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"]

@@ -21,7 +21,6 @@ import time
 import jax
 import numpy as np
 
-from maxtrain.config.load import Config
 from maxtrain.data import rows as rows_lib
 from maxtrain.data.rows import BATCH_DTYPES, BATCH_KEYS  # noqa: F401 (the batch's layout, for the step)
 from maxtrain.data.sources import DataError, DataReadError  # noqa: F401 (raised by the readers)
@@ -62,7 +61,7 @@ class SyntheticIterator:
     """Makes each batch on the host, a shard at a time: no compile, and the step is its whole state."""
     stats = None  # no input pipeline to measure
 
-    def __init__(self, c: Config, batch_sharding):
+    def __init__(self, c, batch_sharding):
         self._rows = functools.partial(synthetic_batch, seed=c.data_shuffle_seed, batch=c.global_batch_size,
                                        length=c.max_target_length, vocab=c.vocab_size)
         self._sharding = batch_sharding
@@ -159,7 +158,7 @@ class Batches:
 
     DEPTH = 4
 
-    def __init__(self, reader, c: Config, batch_sharding, pad_after_end: bool = False):
+    def __init__(self, reader, c, batch_sharding, pad_after_end: bool = False):
         self.reader, self._sharding, self._pad_after_end = reader, batch_sharding, pad_after_end
         self._shape = (c.global_batch_size, c.max_target_length)
         _, _, self._columns = host_region(batch_sharding, self._shape)
@@ -260,7 +259,7 @@ def host_region(batch_sharding, shape) -> tuple[int, int, slice]:
 # The config's pipelines
 
 
-def make_iterators(c: Config, batch_sharding, say=None):
+def make_iterators(c, batch_sharding, say=None):
     """(train batches, {eval name: factory of fresh eval batches}; empty without eval data). Each reads its
     first batch before returning: a bad file or tokenizer is one line and exit 2 before anything is written.
     The eval name is the eval source's ("" for eval_files or a held-out part of train_files)."""
@@ -287,5 +286,5 @@ def make_iterators(c: Config, batch_sharding, say=None):
     return batches, evals
 
 
-def make_iterator(c: Config, batch_sharding):
+def make_iterator(c, batch_sharding):
     return make_iterators(c, batch_sharding)[0]

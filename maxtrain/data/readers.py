@@ -9,7 +9,6 @@ import dataclasses
 
 import numpy as np
 
-from maxtrain.config.load import Config
 from maxtrain.data import sources
 from maxtrain.data.mixture import Mixture, MixtureReader, Schedule
 from maxtrain.data.sources import DataError
@@ -28,7 +27,7 @@ def _check_tokenizer(corpus, tokenizer: Tokenizer, key: str) -> None:
                           "add_bos and add_eos as when it was prepared")
 
 
-def _corpus(files: str, key: str, c: Config, tokenizer: Tokenizer):
+def _corpus(files: str, key: str, c, tokenizer: Tokenizer):
     """(prepared corpus, its rows) of a prepared directory, checked against the tokenizer."""
     from maxtrain.data.prepared import Corpus
     corpus = Corpus(files)
@@ -39,7 +38,7 @@ def _corpus(files: str, key: str, c: Config, tokenizer: Tokenizer):
     return corpus, n
 
 
-def _stream(files: str, key: str, kind: str, text_field: str, c: Config, tokenizer: Tokenizer, **kw):
+def _stream(files: str, key: str, kind: str, text_field: str, c, tokenizer: Tokenizer, **kw):
     """(Stream, the files) of streamed files, checked to hold something to train on."""
     from maxtrain.data.streamed import Stream
     matched = sources.expand(files, key)
@@ -53,7 +52,7 @@ def _stream(files: str, key: str, kind: str, text_field: str, c: Config, tokeniz
                   packing=c.packing, text_field=text_field, tokenizer=tokenizer, **kw), matched
 
 
-def _eval_reader(files: str, key: str, kind: str, text_field: str, c: Config, tokenizer: Tokenizer, lanes: range):
+def _eval_reader(files: str, key: str, kind: str, text_field: str, c, tokenizer: Tokenizer, lanes: range):
     """(reader, what it reads) of an eval set: every row once, in order."""
     if kind == "prepared":
         from maxtrain.data.prepared import PreparedReader
@@ -64,7 +63,7 @@ def _eval_reader(files: str, key: str, kind: str, text_field: str, c: Config, to
     return StreamedReader(stream, lanes, "all"), f"streamed {counted(len(matched), 'file')}"
 
 
-def _prepared(c: Config, tokenizer: Tokenizer, lanes: range):
+def _prepared(c, tokenizer: Tokenizer, lanes: range):
     from maxtrain.data.prepared import PreparedReader
     corpus, n = _corpus(c.train_files, "train_files", c, tokenizer)
     held = max(1, int(n * c.eval_split_fraction)) if c.eval_split_fraction and not (c.eval_files or c.eval_sources) \
@@ -83,7 +82,7 @@ def _prepared(c: Config, tokenizer: Tokenizer, lanes: range):
     return train, evals, lines
 
 
-def _streamed(c: Config, tokenizer: Tokenizer, lanes: range):
+def _streamed(c, tokenizer: Tokenizer, lanes: range):
     from maxtrain.data.streamed import StreamedReader
     held = c.eval_split_fraction if not (c.eval_files or c.eval_sources) else 0.0
     stream, files = _stream(c.train_files, "train_files", c.dataset_type, c.text_field, c, tokenizer, holdout=held)
@@ -108,7 +107,7 @@ def _streamed(c: Config, tokenizer: Tokenizer, lanes: range):
 # Mixtures
 
 
-def source_type(spec: dict, c: Config, key: str) -> str:
+def source_type(spec: dict, c, key: str) -> str:
     """A source's dataset_type: its own, else the config's (unless synthetic), else a directory that
     maxtrain.prepare wrote is prepared and other files are read by their suffixes."""
     kind = spec.get("dataset_type") or (c.dataset_type if c.dataset_type != "synthetic" else "")
@@ -125,12 +124,12 @@ def source_type(spec: dict, c: Config, key: str) -> str:
     return "text"
 
 
-def _seed(c: Config, i: int) -> int:
+def _seed(c, i: int) -> int:
     """Source i's own shuffle seed (sources shuffled alike would share an order)."""
     return int(np.random.SeedSequence([c.data_shuffle_seed, i]).generate_state(1)[0])
 
 
-def _mixture(c: Config, tokenizer: Tokenizer, lanes: range):
+def _mixture(c, tokenizer: Tokenizer, lanes: range):
     from maxtrain.data.prepared import PreparedReader
     names = list(c.data_sources)
     held_fraction = c.eval_split_fraction if not c.eval_sources else 0.0  # (eval_sources: nothing held out)
@@ -188,7 +187,7 @@ def _mixture(c: Config, tokenizer: Tokenizer, lanes: range):
     return train, evals, lines
 
 
-def make_readers(c: Config, tokenizer: Tokenizer, lanes: range):
+def make_readers(c, tokenizer: Tokenizer, lanes: range):
     """(train reader, {eval name: reader}, the lines that say what they read). The eval name is "" for
     eval_files or a held-out part of train_files."""
     make = _mixture if c.data_sources else _prepared if c.dataset_type == "prepared" else _streamed

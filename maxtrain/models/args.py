@@ -8,11 +8,26 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from maxtrain.config.keys import padded_vocab
-from maxtrain.config.resolve import Resolved
 from maxtrain.models import quantization, stacks as stacks_lib
 from maxtrain.models.rope import Rope
 from maxtrain.parallel.plan import Plan
+
+# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
+# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
+# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
+# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
+VOCAB_MULTIPLE = 128
+
+
+def moe_width(m) -> int:
+    """Each expert's SwiGLU width: base_moe_mlp_dim, where -1 means base_mlp_dim."""
+    return m["base_mlp_dim"] if m["base_moe_mlp_dim"] == -1 else m["base_moe_mlp_dim"]
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +115,7 @@ class ModelArgs:
             qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
             routing_groups=max(c.n_routing_groups, 0), routing_top_groups=max(c.topk_routing_group, 0),
             mtp_layers=c.mtp_num_layers,
-            plan=Plan.from_resolved(c) if isinstance(c, Resolved) else Plan.single_device(c))
+            plan=Plan.from_resolved(c) if "mesh_shape" in c else Plan.single_device(c))
 
     @property
     def qk_head_dim(self) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.decoder import Decoder
 from maxtrain.models import stacks as stacks_lib
-from maxtrain.config.keys import moe_width
+from maxtrain.models.args import moe_width
 from maxtrain.models.registry import Keys
 
 # Norm scales, attention biases and the MoE balancing bias take no weight decay; the balancing bias is

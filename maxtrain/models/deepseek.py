@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.checkpoint.hf_format import Tensor
-from maxtrain.config.keys import moe_width
+from maxtrain.models.args import moe_width
+from maxtrain.models.hf_tensors import Tensor
 from maxtrain.models import decoder_spec, hf, hf_tensors
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 from maxtrain.runtime.errors import ConvertError

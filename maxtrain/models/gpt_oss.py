@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.checkpoint.hf_format import Tensor
-from maxtrain.config.keys import moe_width
+from maxtrain.models.args import moe_width
+from maxtrain.models.hf_tensors import Tensor
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.layers import SWIGLU_ALPHA
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register

@@ -23,14 +23,36 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from maxtrain.checkpoint.hf_format import Tensor, layer_name
-from maxtrain.config.keys import moe_width, padded_vocab
+from maxtrain.models.args import moe_width, padded_vocab
 from maxtrain.models import registry, stacks as stacks_lib
 from maxtrain.models.registry import Keys
+
+@dataclass(frozen=True)
+class Tensor:
+    path: tuple[str, ...]  # maxtrain parameter path (inside one layer for per-layer tensors)
+    hf_name: str           # HF name (after "model.layers.<i>." for per-layer tensors); "{e}" marks the expert
+    hf_shape: tuple[int, ...]  # with experts: one expert's
+    to_maxtrain: Callable[[np.ndarray], np.ndarray]  # with experts: one expert's
+    to_hf: Callable[[np.ndarray], np.ndarray] | None  # None: read only (transformers' fused expert layout)
+    experts: int = 0       # > 0: one HF tensor per expert, stacked on maxtrain's leading experts axis
+    # export: more maxtrain parameters (paths as `path`) that to_hf takes after this one, for an HF tensor
+    # that holds several (gpt-oss's gate_up_proj); the others' Tensors have to_hf None
+    joins: tuple[tuple[str, ...], ...] = ()
+
+
+def layer_name(i: int, t: Tensor) -> str:
+    return f"model.layers.{i}.{t.hf_name}"
+
+
+def hf_names(t: Tensor, layer: int | None = None) -> list[str]:
+    """The HF tensors behind `t` (of layer `layer` for a per-layer one): one, or one per expert in order."""
+    name = t.hf_name if layer is None else layer_name(layer, t)
+    return [name.format(e=e) for e in range(t.experts)] if t.experts else [name]
+
 
 FUSED_EXPERTS_NAME = ".mlp.experts.gate_up_proj"  # the end of a name only the fused layout has (gpt-oss aside)
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtrain.models import remat
+from maxtrain.parallel import remat
 from maxtrain.models.args import ModelArgs
 from maxtrain.parallel.rules import constrain
 

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtrain.models import remat
+from maxtrain.parallel import remat
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.layers import RMSNorm, dense_weight
 from maxtrain.models.rope import rope
@@ -40,7 +40,7 @@ class MLAttention(nn.Module):
         if a.q_lora_rank:
             wq_a_DxQ = dense_weight(self, "wq_a", (a.embed, a.q_lora_rank), ("embed", "q_lora"))
             wq_b_QxHxK = dense_weight(self, "wq_b", (a.q_lora_rank, h, p + r), ("q_lora", "heads", "head_dim"))
-            q_latent_BxLxQ = checkpoint_name(jnp.einsum("bld,dq->blq", x_BxLxD, wq_a_DxQ), remat.MLA_Q)
+            q_latent_BxLxQ = jnp.einsum("bld,dq->blq", x_BxLxD, wq_a_DxQ)
             q_latent_BxLxQ = RMSNorm(a, a.q_lora_rank, LATENT_NORM_EPS, name="q_norm")(q_latent_BxLxQ)
             q_BxLxHxK = jnp.einsum("blq,qhk->blhk", q_latent_BxLxQ, wq_b_QxHxK)
         else:
@@ -50,7 +50,7 @@ class MLAttention(nn.Module):
         wkv_a_DxCR = dense_weight(self, "wkv_a", (a.embed, c + r), ("embed", "kv_lora"))
         wkv_b_CxHxPJ = dense_weight(self, "wkv_b", (c, h, p + j), ("kv_lora", "heads", "head_dim"))
         wo_HxJxD = dense_weight(self, "wo", (h, j, a.embed), ("heads", "head_dim", "embed"), (0, 1))
-        kv_BxLxCR = checkpoint_name(jnp.einsum("bld,dc->blc", x_BxLxD, wkv_a_DxCR), remat.MLA_KV)
+        kv_BxLxCR = jnp.einsum("bld,dc->blc", x_BxLxD, wkv_a_DxCR)
         latent_BxLxC = RMSNorm(a, c, LATENT_NORM_EPS, name="kv_norm")(kv_BxLxCR[..., :c])
         k_rope_BxLx1xR = rope(kv_BxLxCR[..., None, c:], positions_BxL, a.rope)
         q_nope_BxLxHxP = q_BxLxHxK[..., :p]

@@ -25,7 +25,7 @@ import numpy as np
 
 from maxtrain.models import stacks as stacks_lib
 from maxtrain.models.args import ModelArgs
-from maxtrain.models.axes import EXPERT_WEIGHT_AXES
+from maxtrain.parallel.axes import EXPERT_WEIGHT_AXES
 from maxtrain.models.layers import MLP, activate, bias, dense_weight
 from maxtrain.parallel.rules import constrain
 

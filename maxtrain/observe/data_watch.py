@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from maxtrain.runtime.startup import say
+from maxtrain.runtime.console import say
 
 
 class DataWatch:

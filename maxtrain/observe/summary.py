@@ -7,7 +7,6 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from maxtrain.training.step import Trainer
 
 GiB = 1024**3
 
@@ -22,7 +21,8 @@ def shard_bytes(x: jax.ShapeDtypeStruct) -> int:
     return math.prod(shard_shape) * x.dtype.itemsize
 
 
-def param_table(trainer: Trainer, active: int | None = None) -> str:
+def param_table(trainer, active: int | None = None) -> str:
+    """The parameters of a training.step.Trainer, a row each (shape, logical axes, spec, bytes per device)."""
     params = trainer.abstract_state.params
     specs = jax.tree_util.tree_leaves_with_path(
         trainer.param_logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxtrain.models import remat
-from maxtrain.models.axes import ACTIVATION_AXES, EXPERT_WEIGHT_AXES
+from maxtrain.parallel import remat
+from maxtrain.parallel.axes import ACTIVATION_AXES, EXPERT_WEIGHT_AXES
 from maxtrain.ops.grouped_matmul import blocked_swiglu, grouped_matmul, megablox_swiglu, permute_rows, sort_by_group
 from maxtrain.parallel.chunks import merge_chunks, split_chunks
 from maxtrain.parallel.rules import active_axes, splits_evenly

@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from maxtrain.config.keys import MESH_AXES
+MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")  # stage (the pipeline) outermost
 
 
 def make_mesh(config, devices=None) -> Mesh:

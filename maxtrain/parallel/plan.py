@@ -19,7 +19,7 @@ import jax
 
 from maxtrain.ops import attention
 from maxtrain.ops.attention import PLAIN, Variant
-from maxtrain.models import remat
+from maxtrain.parallel import remat
 from maxtrain.parallel import chunks, context, embedding, experts, pipeline
 from maxtrain.parallel.rules import length_shards
 

@@ -1,1 +1,2 @@
-"""Process-level services: errors, jax.distributed, storage paths (local and gs://), signals."""
+"""Process-level services that know no config: errors, storage paths (local and gs://), signals, what process 0
+prints."""

@@ -15,14 +15,15 @@ import jax
 
 from maxtrain.config import load as config_lib
 from maxtrain.data import pipeline as data
-from maxtrain.runtime import errors, run_dir as run_dir_lib
+from maxtrain.launch import run_dir as run_dir_lib
+from maxtrain.runtime import errors
 from maxtrain.observe import fit, metrics as metrics_lib, writers as metric_writers, profiler as profiler_lib
 from maxtrain.observe import progress, run_record
 from maxtrain.observe.data_watch import DataWatch, MixtureWatch
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain.runtime.interrupts import Preemption
-from maxtrain.runtime.startup import say
+from maxtrain.runtime.console import say
 from maxtrain.training import evaluation, optimizer
 from maxtrain.training.guards import NonFiniteGuard
 from maxtrain.training.state import initial_state

@@ -13,7 +13,7 @@ from maxtrain.config import keys as config_keys
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.infer.decode import Engine
 from maxtrain.infer.sampling import Sampling
-from maxtrain.runtime.startup import say
+from maxtrain.runtime.console import say
 
 
 class Samples:

@@ -7,7 +7,7 @@ import jax
 from maxtrain.config import load as config_lib
 from maxtrain.observe import fit, progress
 from maxtrain.training import step as step_lib
-from maxtrain.runtime.startup import say
+from maxtrain.runtime.console import say
 
 
 def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer, batches):

@@ -9,7 +9,6 @@ import jax
 # Tags the model puts on intermediates (maxtrain.models: layers, attention, moe).
 QUERY, KEY, VALUE, CONTEXT, OUT = "query_proj", "key_proj", "value_proj", "context", "out_proj"
 MLP_IN, MLP_OUT = "mlpwi", "mlpwo"
-MLA_Q, MLA_KV = "mla_q", "mla_kv"  # multi-head latent attention's query latent and key/value latent (MaxText's)
 
 _save = jax.checkpoint_policies.save_only_these_names
 
