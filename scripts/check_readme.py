@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Runs the README's commands, then the docs' (docs/*.md), as a newcomer does, one after another in one
-folder: a fresh copy of the checkout (its tracked files; no outputs/) outside the repo, and checks that each
+"""Runs the README's commands, then the docs' (docs/*.md, in the order the README links them), as a newcomer
+does, one after another in one folder: a fresh copy of the checkout (its tracked files; no outputs/) outside the repo, and checks that each
 gives what the text shows. Commands that collide when run in order (two runs under one name) fail here.
 
     python scripts/check_readme.py [README.md ...] [--keep DIR] [--list]
@@ -213,14 +213,22 @@ def check(steps: list[Step], cwd: Path, env: dict[str, str], timeout: float, say
     return ok
 
 
+def reading_order(readme: Path) -> list[Path]:
+    """The README, then the docs/ pages in the order it links them (a user reads them so: a page may run what an
+    earlier one made), then any page it does not link."""
+    linked = [readme.parent / m for m in dict.fromkeys(re.findall(r"\]\((docs/[\w.-]+\.md)\)", readme.read_text()))]
+    rest = [p for p in sorted((readme.parent / "docs").glob("*.md")) if p not in linked]
+    return [readme, *(p for p in linked if p.exists()), *rest]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("readme", nargs="*", help="default: README.md, then docs/*.md")
+    parser.add_argument("readme", nargs="*", help="default: README.md, then the docs/ pages it links, in order")
     parser.add_argument("--keep", help="run in this (new) directory and keep it, instead of a temporary one")
     parser.add_argument("--list", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
     args = parser.parse_args(argv)
-    files = [Path(f) for f in args.readme] or [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    files = [Path(f) for f in args.readme] or reading_order(REPO / "README.md")
     steps = [s for f in files for s in parse(f.read_text(), str(f.relative_to(REPO) if f.is_relative_to(REPO)
                                                                   else f))]
     if args.list:

@@ -2,6 +2,7 @@
 README shows (scripts/check_readme.py); and that script reads a README as a newcomer would."""
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -97,3 +98,17 @@ def test_a_command_that_finds_its_run_finished_collided_with_an_earlier_one(tmp_
 def test_the_readmes_commands_give_what_it_shows():
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_the_readme_is_short_and_links_every_page_of_the_reference():
+    """README.md is usage (at most 150 lines); docs/ holds the reference, each page linked from it (the README
+    check runs them in that order), and every relative link in them names a file that exists."""
+    readme = TESTS.parent / "README.md"
+    assert len(readme.read_text().splitlines()) <= 150
+    pages = sorted((TESTS.parent / "docs").glob("*.md"))
+    linked = check_readme.reading_order(readme)[1:]
+    assert sorted(linked) == pages and linked[:len(pages)] == [p for p in linked if f"]({p.parent.name}/{p.name})"
+                                                               in readme.read_text()]
+    for page in [readme, *pages, TESTS.parent / "benchmarks" / "README.md"]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links {target}, which does not exist"
