@@ -148,3 +148,20 @@ def test_weight_decay_leaves_the_balancing_bias_to_its_own_rule(tiny_config):
     assert np.any(bias != 0)  # the rule did move it
     # and weight decay did act on the router's matrix beside it
     assert not np.array_equal(np.asarray(state.params["moe_layers"]["mlp"]["router"]), first)
+
+
+def test_families_name_the_keys_they_leave_at_base_yml_and_set_only_their_own_values():
+    """base.yml writes each default once: a family lists which keys its HF classes have only at base.yml's value
+    (names), and its own settings only where they differ from base.yml."""
+    from maxtrain.config import load as config_lib
+    from maxtrain.models import deepseek, gemma, gpt_oss
+    base = config_lib.defaults()
+    for names in (hf.VARIANT_KEYS, deepseek.DEEPSEEK_KEYS, gpt_oss.PLAIN, gemma.PLAIN):
+        assert all(isinstance(k, str) and k in base for k in names)
+    for traits in (gpt_oss.TRAITS, gemma.TRAITS):
+        assert [k for k, v in traits.items() if base[k] == v] == []
+    # the plain values follow base.yml: a Llama-shaped config with a base.yml default changed is another variant
+    c = config_lib.load([str(config_lib.BASE_YML)])
+    assert hf.unexpressed(dict(c), registry.spec_for(c)) is None
+    changed = dict(c) | {"attention_sinks": True}
+    assert hf.unexpressed(changed, registry.spec_for(c)) == "attention_sinks"

@@ -22,9 +22,9 @@ from maxtrain.config.keys import (DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, PRESET_
                                   ConfigError, moe_width)
 from maxtrain.config.validate import validate
 from maxtrain.models import registry
+from maxtrain.runtime.base_yml import BASE_YML
 
-CONFIG_DIR = Path(__file__).parent.parent / "configs"
-BASE_YML = CONFIG_DIR / "base.yml"
+CONFIG_DIR = BASE_YML.parent  # the shipped configs: base.yml, the presets in models/, examples
 
 
 class Config(Mapping):

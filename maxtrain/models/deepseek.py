@@ -28,22 +28,23 @@ from maxtrain.models.args import moe_width
 from maxtrain.models.hf_tensors import Tensor
 from maxtrain.models import decoder_spec, hf, hf_tensors
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
+from maxtrain.runtime import base_yml
 from maxtrain.runtime.errors import ConvertError
 
-# Keys of an MoE that Mixtral and Qwen3-MoE have only at these values.
-PLAIN = (("shared_experts", 0), ("first_num_dense_layers", 0), ("routed_score_func", "softmax"),
-         ("routed_bias", False), ("routed_scaling_factor", 1.0), ("qkv_bias", False), ("n_routing_groups", -1))
+# Keys of an MoE that Mixtral and Qwen3-MoE have only at base.yml's values.
+DEEPSEEK_KEYS = ("shared_experts", "first_num_dense_layers", "routed_score_func", "routed_bias",
+                 "routed_scaling_factor", "qkv_bias", "n_routing_groups")
 
 
 def _unplain(m: Keys) -> list[str]:
-    return [key for key, plain in PLAIN if m[key] != plain]
+    return base_yml.changed(m, DEEPSEEK_KEYS)
 
 
 def _hf_kind(m: Keys) -> str:
     if m["attention_type"] != "mla":
         key = _unplain(m)[0]
         raise ConvertError(f"{key}={m[key]!r}: neither Mixtral nor Qwen3-MoE has this (HF export needs "
-                           f"{dict(PLAIN)[key]!r}), and DeepSeek's HF models have latent attention "
+                           f"{base_yml.default(key)!r}), and DeepSeek's HF models have latent attention "
                            f"(attention_type=mla)")
     if m["num_experts"] == 1:
         raise ConvertError("num_experts=1: DeepSeek's HF models are mixtures of experts (a dense model with "

@@ -14,17 +14,19 @@ from typing import Any
 
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
+from maxtrain.runtime import base_yml
 from maxtrain.runtime.errors import ConvertError
 
-# What every Gemma has, whichever the HF type (model keys at these values, or export refuses).
+# What every Gemma has, whichever the HF type: its own settings, and keys it has only at base.yml's values
+# (model keys at these values, or export refuses).
 TRAITS = {"scale_embedding": True, "rms_norm_plus_one": True, "use_post_attn_norm": True, "use_post_ffw_norm": True,
-          "mlp_activation": "gelu_tanh", "qkv_bias": False, "attention_sinks": False, "attention_out_bias": False,
-          "mlp_bias": False}
+          "mlp_activation": "gelu_tanh"}
+PLAIN = ("qkv_bias", "attention_sinks", "attention_out_bias", "mlp_bias")
 ACTIVATION = "gelu_pytorch_tanh"
 
 
 def _hf_kind(m: Keys) -> str:
-    for key, value in TRAITS.items():
+    for key, value in {**TRAITS, **base_yml.defaults_of(PLAIN)}.items():
         if m[key] != value:
             raise ConvertError(f"{key}={m[key]!r}: every Gemma has {value!r} (HF export needs it)")
     if m["use_qk_norm"]:
@@ -96,7 +98,7 @@ def _local_theta(config: dict) -> float:
 
 
 def _keys(config: dict, kind: str) -> dict[str, Any]:
-    keys = {**{k: v for k, v in TRAITS.items()}, "num_experts": 1, "use_qk_norm": kind == "gemma3_text",
+    keys = {**TRAITS, **base_yml.defaults_of(PLAIN), "num_experts": 1, "use_qk_norm": kind == "gemma3_text",
             "query_pre_attn_scalar": hf.number(config, "query_pre_attn_scalar", 0.0),
             "attn_logit_softcapping": hf.number(config, "attn_logit_softcapping", 0.0),
             "final_logit_softcapping": hf.number(config, "final_logit_softcapping", 0.0),

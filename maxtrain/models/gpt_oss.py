@@ -16,22 +16,22 @@ from maxtrain.models.hf_tensors import Tensor
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.layers import SWIGLU_ALPHA
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
+from maxtrain.runtime import base_yml
 from maxtrain.runtime.errors import ConvertError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-# What HF's GptOssForCausalLM is, beyond its shape: export refuses model keys with another value.
-FIXED = (("attention_sinks", True), ("mlp_bias", True), ("router_logit_bias", True),
-         ("mlp_activation", "clamped_swiglu"), ("use_qk_norm", False), ("shared_experts", 0),
-         ("first_num_dense_layers", 0), ("routed_score_func", "softmax"), ("norm_topk_prob", True),
-         ("routed_bias", False), ("routed_scaling_factor", 1.0), ("query_pre_attn_scalar", 0.0),
-         ("local_rope_theta", -1.0), ("attn_logit_softcapping", 0.0), ("final_logit_softcapping", 0.0),
-         ("scale_embedding", False), ("rms_norm_plus_one", False), ("use_post_attn_norm", False),
-         ("use_post_ffw_norm", False))
+# What HF's GptOssForCausalLM is, beyond its shape: its own settings, and keys it has only at base.yml's
+# values; export refuses model keys with another value.
+TRAITS = {"attention_sinks": True, "mlp_bias": True, "router_logit_bias": True, "mlp_activation": "clamped_swiglu",
+          "norm_topk_prob": True}
+PLAIN = ("use_qk_norm", "shared_experts", "first_num_dense_layers", "routed_score_func", "routed_bias",
+         "routed_scaling_factor", "query_pre_attn_scalar", "local_rope_theta", "attn_logit_softcapping",
+         "final_logit_softcapping", "scale_embedding", "rms_norm_plus_one", "use_post_attn_norm", "use_post_ffw_norm")
 
 
 def _hf_kind(m: Keys) -> str:
-    for key, value in FIXED:
+    for key, value in {**TRAITS, **base_yml.defaults_of(PLAIN)}.items():
         if m[key] != value:
             raise ConvertError(f"{key}={m[key]!r}: HF's gpt-oss has {value!r}")
     if m["qkv_bias"] != m["attention_out_bias"]:

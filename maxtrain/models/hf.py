@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from maxtrain.runtime import base_yml
 from maxtrain.runtime.errors import ConvertError
 from maxtrain.models import registry
 from maxtrain.models.registry import Keys
@@ -78,12 +79,10 @@ def layered_sliding_window(hf: dict[str, Any]) -> int | None:
 # Model keys of the attention and block variants, at the values that leave the plain decoder. A family
 # whose HF model has a variant sets its key in `HFMapping.keys`; export refuses a model whose family's
 # HF types cannot carry a variant it has (HFMapping.expresses).
-PLAIN_VARIANTS = {
-    "sliding_window_size": 0, "global_layer_interval": 0, "local_rope_theta": -1.0, "attention_sinks": False,
-    "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0, "query_pre_attn_scalar": 0.0,
-    "attention_out_bias": False, "scale_embedding": False, "rms_norm_plus_one": False, "use_post_attn_norm": False,
-    "use_post_ffw_norm": False, "mlp_activation": "silu", "mlp_bias": False, "router_logit_bias": False,
-}
+VARIANT_KEYS = ("sliding_window_size", "global_layer_interval", "local_rope_theta", "attention_sinks",
+                "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "attention_out_bias",
+                "scale_embedding", "rms_norm_plus_one", "use_post_attn_norm", "use_post_ffw_norm", "mlp_activation",
+                "mlp_bias", "router_logit_bias")
 
 
 def plain_checks(hf: dict[str, Any]) -> None:
@@ -177,7 +176,7 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
         "max_position_embeddings": max(int(number(hf, "max_position_embeddings", 0)), 0),
         "qkv_bias": False,
-        **PLAIN_VARIANTS,
+        **base_yml.defaults_of(VARIANT_KEYS),
         "sliding_window_size": window or 0,
         **rope_keys(rope, number(rope, "rope_theta", number(hf, "rope_theta", defaults["rope_theta"]))),
     }
@@ -186,7 +185,7 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def unexpressed(m: Keys, spec) -> str | None:
     """The first variant key of model keys `m` that the family's HF types cannot carry, if any."""
-    return next((k for k, plain in PLAIN_VARIANTS.items() if m[k] != plain and k not in spec.hf.expresses), None)
+    return next((k for k in base_yml.changed(m, VARIANT_KEYS) if k not in spec.hf.expresses), None)
 
 
 def hf_kind(m: Keys) -> str:
@@ -196,7 +195,7 @@ def hf_kind(m: Keys) -> str:
     key = unexpressed(m, spec) if spec.hf else None
     if key:
         raise ConvertError(f"{key}={m[key]!r}: no HF model of this family ({', '.join(spec.hf.types)}) has it (HF "
-                           f"export needs {PLAIN_VARIANTS[key]!r})")
+                           f"export needs {base_yml.default(key)!r})")
     return spec.hf_kind(m)
 
 
@@ -254,6 +253,7 @@ def moe_keys(hf: dict[str, Any], kind: str, experts_key: str) -> dict[str, Any]:
     if top_k > experts:
         raise ConvertError(f"config.json: num_experts_per_tok={top_k} exceeds {experts_key}={experts}")
     defaults = registry.hf_types()[kind].defaults
-    return {"num_experts": experts, "num_experts_per_tok": top_k, "shared_experts": 0, "first_num_dense_layers": 0,
-            "routed_score_func": "softmax", "routed_bias": False, "routed_scaling_factor": 1.0,
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            **base_yml.defaults_of(("shared_experts", "first_num_dense_layers", "routed_score_func", "routed_bias",
+                                    "routed_scaling_factor")),  # DeepSeek's (deepseek.DEEPSEEK_KEYS)
             "load_balance_loss_weight": number(hf, "router_aux_loss_coef", defaults["router_aux_loss_coef"])}

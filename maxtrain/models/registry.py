@@ -62,7 +62,7 @@ class HFMapping:
     checks: Callable[[dict], None] | None = None
     # the rope parameters of config.json's (global) layers; default: hf.flat_rope
     rope: Callable[[dict], dict] | None = None
-    # variant keys (hf.PLAIN_VARIANTS) this family's HF types carry; export refuses any other set
+    # variant keys (hf.VARIANT_KEYS) this family's HF types carry; export refuses any other set
     expresses: tuple[str, ...] = ()
 
 
