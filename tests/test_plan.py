@@ -94,7 +94,8 @@ def test_a_loaded_config_builds_a_one_device_model():
     model's logits are the resolved model's with those choices."""
     loaded = config_lib.load([TINY])
     args = ModelArgs.from_config(loaded)
-    assert args.plan == Plan(remat_policy="full", context_load_balance=True)
+    assert args.plan == Plan(attention="dot_product", mlp_chunk=0, moe_chunk=0, moe_grouped_matmul="blocked",
+                             remat_policy="full", scan_unroll=1, context_load_balance=True)
     tokens = jax.random.randint(jax.random.key(1), (2, loaded.max_target_length), 0, loaded.vocab_size)
     params = jax.jit(lambda k: nn.meta.unbox(Decoder(args).init(k, tokens)["params"]))(jax.random.key(0))
     resolved = resolve(config_lib.load([TINY, "attention=dot_product", "mlp_chunk_size=0", "scan_unroll=1"]), 1)

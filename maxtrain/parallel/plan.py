@@ -24,15 +24,21 @@ from maxtrain.parallel import chunks, context, embedding, experts, pipeline
 from maxtrain.parallel.rules import length_shards
 
 
+# What a config's auto values mean where no devices are known (Plan.single_device): the plainest kernel, the
+# reference grouped matmul, the scan's loop. The platform's choices for them: maxtrain.config.platform_defaults.
+REFERENCE = {"attention": "dot_product", "moe_grouped_matmul": "blocked", "scan_unroll": 1}
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    attention: str = "dot_product"  # a kernel of attention.KERNELS, or splash
-    mlp_chunk: int = 0  # positions per chunk of a dense MLP; 0 = the whole sequence at once
-    moe_chunk: int = 0  # the same for an MoE layer's experts
-    moe_grouped_matmul: str = "blocked"  # megablox | ragged_dot | blocked (maxtrain.ops.grouped_matmul)
-    remat_policy: str = "none"  # a name in remat.POLICIES
-    scan_unroll: int = 1  # layers per iteration of the scanned loop
-    context_load_balance: bool = False  # under context parallelism the batch is in attention.zigzag_order
+    """Every field from the config (base.yml holds the defaults): none of its own."""
+    attention: str  # a kernel of attention.KERNELS, or splash
+    mlp_chunk: int  # positions per chunk of a dense MLP; 0 = the whole sequence at once
+    moe_chunk: int  # the same for an MoE layer's experts
+    moe_grouped_matmul: str  # megablox | ragged_dot | blocked (maxtrain.ops.grouped_matmul)
+    remat_policy: str  # a name in remat.POLICIES
+    scan_unroll: int  # layers per iteration of the scanned loop
+    context_load_balance: bool  # under context parallelism the batch is in attention.zigzag_order
     schedule: pipeline.Schedule = pipeline.Schedule()  # the pipeline over stages (none: 1 stage)
 
     @classmethod
@@ -47,13 +53,12 @@ class Plan:
     def single_device(cls, c) -> "Plan":
         """The plan of a config as loaded (no devices known): explicit values as given, auto ones the
         reference choices."""
-        reference = cls()
         chunk = max(c.mlp_chunk_size, 0)
-        return cls(attention=reference.attention if c.attention == "auto" else c.attention,
+        return cls(attention=REFERENCE["attention"] if c.attention == "auto" else c.attention,
                    mlp_chunk=chunk, moe_chunk=chunk,
-                   moe_grouped_matmul=(reference.moe_grouped_matmul if c.moe_grouped_matmul == "auto"
+                   moe_grouped_matmul=(REFERENCE["moe_grouped_matmul"] if c.moe_grouped_matmul == "auto"
                                        else c.moe_grouped_matmul),
-                   remat_policy=c.remat_policy, scan_unroll=max(c.scan_unroll, reference.scan_unroll),
+                   remat_policy=c.remat_policy, scan_unroll=max(c.scan_unroll, REFERENCE["scan_unroll"]),
                    context_load_balance=c.context_parallel_load_balance)
 
     # ---- what a layer asks
