@@ -39,11 +39,11 @@ from maxtrain.config import help as cli_help, load as config_lib
 from maxtrain.config import keys as config_keys
 from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.runtime.errors import ConvertError
-from maxtrain.checkpoint.hf_format import (HF_SIDE_FILES, SafetensorsDir, Tensor, hf_names, read_json,
-                                tokenizer_settings)
+from maxtrain.checkpoint.hf_format import HF_SIDE_FILES, SafetensorsDir, read_json, tokenizer_settings
 from maxtrain.models import stacks as stacks_lib
 from maxtrain.models.hf import hf_config_for, hf_kind, model_keys_from_hf, supported, with_defaults
-from maxtrain.models.hf_tensors import FUSED_EXPERTS_NAME, LayerTensors, mtp_copies, mtp_depths, tensor_table
+from maxtrain.models.hf_tensors import (FUSED_EXPERTS_NAME, LayerTensors, Tensor, hf_names, mtp_copies, mtp_depths,
+                                        tensor_table)
 from maxtrain.checkpoint.staging import check_out, staged, unwritable
 
 

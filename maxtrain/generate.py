@@ -23,7 +23,8 @@ from maxtrain.infer.sampling import Sampling
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.observe import progress
 from maxtrain.runtime import errors, platform_env, storage
-from maxtrain.launch.startup import load_config, say
+from maxtrain.launch.startup import load_config
+from maxtrain.runtime.console import say
 from maxtrain.training import step as step_lib
 
 PROMPT_KEYS = ("prompt", "prompt_ids", "prompt_file")

@@ -30,7 +30,8 @@ from maxtrain.data import pipeline as data
 from maxtrain.observe import fit, writers as metric_writers, progress, run_record, summary
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import optimizer, step as step_lib
-from maxtrain.launch.startup import load_config, say
+from maxtrain.launch.startup import load_config
+from maxtrain.runtime.console import say
 from maxtrain.training.loop import TrainLoop
 from maxtrain.training.samples import Samples
 

@@ -56,7 +56,7 @@ def apply_block(args, params, x, c=None, shape=None):
     fn = jax.jit(lambda p, x: moe.MoEBlock(args).apply({"params": p}, x))
     if shape is None:
         return np.asarray(fn(params, x))
-    mesh = Mesh(np.asarray(jax.devices()).reshape((1, *shape)), config_keys.MESH_AXES)  # stage 1
+    mesh = Mesh(np.asarray(jax.devices()).reshape((1, *shape)), mesh_lib.MESH_AXES)  # stage 1
     with mesh_lib.activate(mesh, rules_lib.axis_rules(c)):
         return np.asarray(fn(params, x))
 
@@ -165,7 +165,7 @@ def test_chunks_of_positions_give_the_whole_sequences_gradients(tiny_config):
     args, c = block_args(tiny_config, *mesh_overrides(MESHES["expert4xfsdp2"]))
     x = random_x(args)
     params = init_block(args, x)
-    mesh = Mesh(np.asarray(jax.devices()).reshape((1, *MESHES["expert4xfsdp2"])), config_keys.MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()).reshape((1, *MESHES["expert4xfsdp2"])), mesh_lib.MESH_AXES)
 
     def grads(a):
         loss = lambda p, x: jnp.sum(jnp.sin(moe.MoEBlock(a).apply({"params": p}, x)))  # noqa: E731

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TINY
 from maxtrain.config import load as config_lib
-from maxtrain.config.keys import MESH_AXES
+from maxtrain.parallel.mesh import MESH_AXES
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.decoder import Decoder
 from maxtrain.parallel import rules

@@ -1,5 +1,4 @@
-"""The file side of HuggingFace conversion, shared by every family: a safetensors reader (how a tensor maps between a family's
-HF layout and maxtrain's, Tensor, is maxtrain.models.hf_tensors'), the
+"""The file side of HuggingFace conversion, shared by every family: a safetensors reader, the
 files that travel with the weights, and the tokenizer settings that go with them. maxtrain.convert does
 the conversions.
 """
@@ -15,7 +14,6 @@ import ml_dtypes
 import numpy as np
 
 from maxtrain.data import tokenizer as tokenizer_lib
-from maxtrain.models.hf_tensors import Tensor, hf_names, layer_name  # noqa: F401 (the tables' home: models)
 from maxtrain.runtime.errors import ConvertError
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import re
 
 from maxtrain.models import quantization
-from maxtrain.models.args import VOCAB_MULTIPLE, moe_width, padded_vocab  # noqa: F401 (model sizes: models.args)
-from maxtrain.parallel.mesh import MESH_AXES  # noqa: F401 (the mesh's axes: parallel.mesh)
 from maxtrain.runtime.errors import ConfigError  # noqa: F401 (its home is runtime.errors; imported from here too)
 
 

@@ -19,9 +19,10 @@ import yaml
 
 from maxtrain.config import run_name as run_name_lib, yaml_file
 from maxtrain.config.keys import (DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, PRESET_KEYS, RENAMED, UPPER_BOUNDS,
-                                  ConfigError, moe_width)
+                                  ConfigError)
 from maxtrain.config.validate import validate
 from maxtrain.models import registry
+from maxtrain.models.args import moe_width
 from maxtrain.runtime.base_yml import BASE_YML
 
 CONFIG_DIR = BASE_YML.parent  # the shipped configs: base.yml, the presets in models/, examples

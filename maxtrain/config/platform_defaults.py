@@ -9,7 +9,8 @@ import os
 from typing import Any
 
 from maxtrain.models import quantization
-from maxtrain.config.keys import ConfigError, padded_vocab
+from maxtrain.config.keys import ConfigError
+from maxtrain.models.args import padded_vocab
 from maxtrain.parallel import rules
 
 

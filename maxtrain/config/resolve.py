@@ -15,8 +15,9 @@ import jax
 
 from maxtrain.config import platform_defaults, run_name as run_name_lib, validate
 from maxtrain.config.load import Config, defaults
-from maxtrain.config.keys import INT_MAX, MESH_AXES, ConfigError, parallelism_key
+from maxtrain.config.keys import INT_MAX, ConfigError, parallelism_key
 from maxtrain.parallel import rules as rules_lib
+from maxtrain.parallel.mesh import MESH_AXES
 from maxtrain.parallel.plan import Plan
 
 # The values resolve adds to a loaded config, each declared once here.

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from maxtrain.config.keys import MESH_AXES, parallelism_key
+from maxtrain.config.keys import parallelism_key
+from maxtrain.parallel.mesh import MESH_AXES
 
 # Keys that do not change what is trained (the model, optimizer, data and their order): how long and how
 # often, where the outputs go, how the work is laid out on the devices, and the other entry points' keys.

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from maxtrain.config.keys import (CHOICES, MESH_AXES, parallelism_key, METRICS_BACKENDS, PATH_KEYS, POSITIVE_INTS, RUN_NAME,
+from maxtrain.config.keys import (CHOICES, parallelism_key, METRICS_BACKENDS, PATH_KEYS, POSITIVE_INTS, RUN_NAME,
                                   UPPER_BOUNDS, ConfigError)
 from maxtrain.config.data_sources import validate_sources
+from maxtrain.parallel.mesh import MESH_AXES
 from maxtrain.models import quantization, stacks as stacks_lib
 from maxtrain.runtime import storage
 

@@ -1,5 +1,5 @@
 """What every entry point that runs on devices does first (train, generate; the benchmarks too): the
-config resolved for this process's devices (and `say`, runtime.console's). No entry point's code lives
+config resolved for this process's devices. No entry point's code lives
 here, so the entry points import it and none imports another."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from maxtrain.config import load as config_lib, resolve
 
 from maxtrain.config import keys as config_keys
 from maxtrain.launch import distributed
-from maxtrain.runtime.console import say  # noqa: F401 (the entry points take both from here)
 
 
 def load_config(argv: list[str], devices=None) -> resolve.Resolved:

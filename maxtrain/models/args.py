@@ -28,8 +28,6 @@ def padded_vocab(vocab: int) -> int:
     return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
     vocab: int  # the true vocabulary; the parameters hold padded_vocab(vocab) entries

@@ -2,8 +2,9 @@
 
 - mesh.py: the mesh axes and the device grid; remat.py: the named remat policies; axes.py: the logical names
   the model and this package agree on.
-- rules.py: the one logical -> mesh resolver (and sequence_shards: how a sequence's positions split) (flax's rule semantics, even splits only), used for the
-  parameters' shardings, the activations' constraints, the planners and the config's checks.
+- rules.py: the one logical -> mesh resolver (flax's rule semantics, even splits only; sequence_shards: how a
+  sequence's positions split), used for the parameters' shardings, the activations' constraints, the
+  planners and the config's checks.
 - plan.py: the execution plan the model receives: which attention kernel, chunks, remat, the scan's
   unroll, and the mesh-dependent ways to run a layer (context.py, experts.py, embedding.py, chunks.py)
   or a stack of layers over pipeline stages (pipeline.py), the only modules that call shard_map and
