@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Runs the README's commands, then the docs' (docs/*.md, in the order the README links them), as a newcomer
 does, one after another in one folder: a fresh copy of the checkout (its tracked files; no outputs/) outside
-the repo, and checks that each gives what the text shows. Commands that collide when run in order (two runs under one name) fail here.
+the repo, and checks that each gives what the text shows. Commands that collide when run in order (two runs
+under one name) fail here.
 
     python scripts/check_readme.py [README.md ...] [--keep DIR] [--list]
 
