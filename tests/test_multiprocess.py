@@ -96,6 +96,16 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path, train_tiny):
     np.testing.assert_allclose(losses(tmp_path / "a")[-3:], straight[9:12], rtol=RTOL)
 
 
+def process_of(tmp_path, i):
+    """The pid of process i of the job writing under tmp_path (the launched command, whose child is the trainer),
+    never another job's: another test or the README check may run a 2-process job beside this one."""
+    pids = {int(p) for p in subprocess.run(["pgrep", "-f", f"base_output_directory={tmp_path} .*process_id={i}$"],
+                                           capture_output=True, text=True).stdout.split()}
+    launched = [p for p in pids if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) not in pids]
+    assert len(launched) == 1, f"process {i} of this job: found {sorted(pids)}"
+    return launched[0]
+
+
 @pytest.mark.slow
 def test_a_dead_process_stops_the_job_within_the_heartbeat_bound(tmp_path):
     """Kill process 1 mid-run: process 0 must exit with an error, not hang. Bound: heartbeat
@@ -108,9 +118,7 @@ def test_a_dead_process_stops_the_job_within_the_heartbeat_bound(tmp_path):
     for line in proc.stdout:
         if "step      2/100000 |" in line:
             break
-    victim = subprocess.run(["pgrep", "-f", "process_id=1"], capture_output=True, text=True).stdout.split()
-    assert victim, "process 1 not found"
-    os.kill(int(victim[0]), signal.SIGKILL)
+    os.kill(process_of(tmp_path, 1), signal.SIGKILL)
     t0 = time.time()
     try:
         code = proc.wait(timeout=90)
@@ -136,10 +144,7 @@ def test_sigterm_to_one_process_stops_both_at_one_saved_step(tmp_path):
     for line in proc.stdout:
         if "step      3/100000 |" in line:
             break
-    victim = subprocess.run(["pgrep", "-f", f"base_output_directory={tmp_path} .*process_id=1"],
-                            capture_output=True, text=True).stdout.split()
-    assert victim, "process 1 not found"
-    os.kill(int(victim[0]), signal.SIGTERM)
+    os.kill(process_of(tmp_path, 1), signal.SIGTERM)
     try:
         out, err = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
