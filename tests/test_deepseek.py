@@ -153,9 +153,10 @@ def test_the_groups_the_bias_the_rope_order_and_mscale_each_matter(imported):
         lambda path, x: jnp.concatenate([x[..., :-8], x[..., -8:].reshape(*x.shape[:-1], 2, 4).swapaxes(-1, -2)
                                          .reshape(*x.shape[:-1], 8)], -1)
         if jax.tree_util.keystr(path).endswith("['wkv_a']") else x, params)
-    for changed_args, changed_params in ((dataclasses.replace(args, routing_groups=0), params),
-                                         (args, zero_bias), (args, rotated),
-                                         (dataclasses.replace(args, query_scale=args.qk_head_dim ** -0.5), params)):
+    ungrouped = dataclasses.replace(args, moe=dataclasses.replace(args.moe, groups=0))
+    unscaled = dataclasses.replace(args, attention=dataclasses.replace(
+        args.attention, scale=args.attention.qk_head_dim ** -0.5))
+    for changed_args, changed_params in ((ungrouped, params), (args, zero_bias), (args, rotated), (unscaled, params)):
         changed = dataclasses.replace(trainer, model=Decoder(changed_args))
         assert np.abs(maxtrain_logits(changed, changed_params, TOKENS) - ref).max() > 1e-2
 

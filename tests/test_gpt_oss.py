@@ -23,7 +23,7 @@ from maxtrain.runtime.errors import ConvertError
 
 from conftest import decode
 from test_convert_moe import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
-from test_moe import MESHES, apply_block, block_args, init_block, mesh_overrides, random_x
+from test_moe import MESHES, apply_block, block_args, init_block, mesh_overrides, random_x, with_moe
 
 GPT_OSS_MOE = ("mlp_bias=true", "router_logit_bias=true", "mlp_activation=clamped_swiglu",
                "mlp_activation_limit=0.8")  # a limit the random activations reach, so the clamps matter
@@ -41,10 +41,10 @@ def gpt_oss_reference(args, params, x):
     logits; each expert's clamped SwiGLU with its biases."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     xs = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
-    out, limit = np.zeros_like(xs), args.mlp_activation_limit
+    out, limit = np.zeros_like(xs), args.moe.expert.limit
     for t, x_t in enumerate(xs):
         logits = x_t @ p["router"] + p["router_logit_bias"]
-        chosen = np.argsort(-logits)[:args.experts_per_token]
+        chosen = np.argsort(-logits)[:args.moe.experts_per_token]
         weights = np.exp(logits[chosen] - logits[chosen].max())
         for e, w in zip(chosen, weights / weights.sum()):
             gate = np.minimum(x_t @ p["wi_gate"][e] + p["bi_gate"][e], limit)
@@ -72,7 +72,7 @@ def test_moe_block_with_capacity_drops_the_down_bias_too(tiny_config):
     args, c = block_args(tiny_config, *GPT_OSS_MOE, *mesh_overrides(MESHES["expert4xfsdp2"]), capacity_factor=0.5)
     x = random_x(args)
     params = randomized(init_block(args, x))
-    dropless = apply_block(dataclasses.replace(args, capacity_factor=-1.0), params, x, c,
+    dropless = apply_block(with_moe(args, capacity_factor=-1.0), params, x, c,
                            MESHES["expert4xfsdp2"])
     dropped = apply_block(args, params, x, c, MESHES["expert4xfsdp2"])
     assert not np.allclose(dropless, dropped)
@@ -160,7 +160,8 @@ def test_the_window_the_clamps_and_yarn_each_matter(tmp_path):
     out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"))
     _, trainer, params = load_maxtrain(out / "maxtrain.yml")
     ref, args = hf_logits(model, TOKENS), trainer.model.args
-    for change in ({"window": 0}, {"mlp_activation_limit": 7.0}, {"rope": dataclasses.replace(args.rope, factor=1.0)}):
+    clamps = {"moe": dataclasses.replace(args.moe, expert=dataclasses.replace(args.moe.expert, limit=7.0))}
+    for change in ({"window": 0}, clamps, {"rope": dataclasses.replace(args.rope, factor=1.0)}):
         changed = dataclasses.replace(trainer, model=Decoder(dataclasses.replace(args, **change)))
         assert np.abs(maxtrain_logits(changed, params, TOKENS) - ref).max() > 1e-2, change
 

@@ -40,11 +40,17 @@ def with_plan(args, **changes):
     return dataclasses.replace(args, plan=dataclasses.replace(args.plan, **changes))
 
 
+def with_moe(args, **changes):
+    """args whose MoE part has `changes`."""
+    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, **changes))
+
+
 def block_args(tiny_config, *overrides, **changes):
+    """The tiny MoE's args, with `changes` to its execution plan's fields or its MoE part's."""
     c = tiny_config(*MOE, *overrides)
     planned = {f.name for f in dataclasses.fields(Plan)}
     args = with_plan(ModelArgs.from_config(c), **{k: v for k, v in changes.items() if k in planned})
-    return dataclasses.replace(args, **{k: v for k, v in changes.items() if k not in planned}), c
+    return with_moe(args, **{k: v for k, v in changes.items() if k not in planned}), c
 
 
 def init_block(args, x):
@@ -70,10 +76,10 @@ def reference(args, params, x, keep=None):
     for t, x_t in enumerate(xs):
         logits = x_t @ p["router"]
         scores = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum() \
-            if args.routed_score_func == "softmax" else 1 / (1 + np.exp(-logits))
-        chosen = np.argsort(-scores)[:args.experts_per_token]
-        weights = scores[chosen] / (scores[chosen].sum() if args.norm_topk_prob else 1.0)
-        for rank, (e, w) in enumerate(zip(chosen, weights * args.routed_scaling_factor)):
+            if args.moe.score_func == "softmax" else 1 / (1 + np.exp(-logits))
+        chosen = np.argsort(-scores)[:args.moe.experts_per_token]
+        weights = scores[chosen] / (scores[chosen].sum() if args.moe.norm_topk_prob else 1.0)
+        for rank, (e, w) in enumerate(zip(chosen, weights * args.moe.scaling_factor)):
             if keep is not None and not keep[t, rank]:
                 continue
             h = silu(x_t @ p["wi_gate"][e]) * (x_t @ p["wi_up"][e])
@@ -96,7 +102,7 @@ def test_one_expert_top1_equals_the_dense_mlp(tiny_config, method):
 
 
 @pytest.mark.parametrize("routing", [
-    {}, {"norm_topk_prob": False}, {"routed_score_func": "sigmoid", "routed_scaling_factor": 2.5},
+    {}, {"norm_topk_prob": False}, {"score_func": "sigmoid", "scaling_factor": 2.5},
     {"experts_per_token": 8}, {"experts_per_token": 1}], ids=["softmax_norm", "softmax", "sigmoid", "top8", "top1"])
 @pytest.mark.parametrize("method", ["blocked", "ragged_dot"])
 def test_dropless_equals_a_per_token_reference(tiny_config, routing, method):
@@ -141,12 +147,12 @@ def test_capacity_drops_exactly_what_the_definition_says(tiny_config, mesh):
     args, c = block_args(tiny_config, *mesh_overrides(MESHES[mesh or "expert1"]), capacity_factor=0.5)
     x = random_x(args)
     params = init_block(args, x)
-    cap = moe.capacity(args, x.shape[1])
+    cap = moe.capacity(args.moe, x.shape[1])
     assert cap == math.ceil(0.5 * 16 * 2 / 8) == 2
-    dropless = dataclasses.replace(args, capacity_factor=-1.0)
-    keep = capacity_reference(chosen_experts(dropless, params, x), args.num_experts, cap)
+    dropless = with_moe(args, capacity_factor=-1.0)
+    keep = capacity_reference(chosen_experts(dropless, params, x), args.moe.num_experts, cap)
     assert 0 < keep.mean() < 1  # some dropped, some kept
-    np.testing.assert_array_equal(chosen_experts(args, params, x) < args.num_experts, keep)
+    np.testing.assert_array_equal(chosen_experts(args, params, x) < args.moe.num_experts, keep)
     out = apply_block(args, params, x, c, MESHES[mesh] if mesh else None)
     np.testing.assert_allclose(out, reference(args, params, x, keep.reshape(-1, 2)), atol=1e-5, rtol=1e-5)
 
@@ -180,7 +186,7 @@ def test_a_large_capacity_equals_dropless(tiny_config):
     args, c = block_args(tiny_config, *mesh_overrides(MESHES["expert4xfsdp2"]), capacity_factor=4.0)
     x = random_x(args)
     params = init_block(args, x)
-    dropless = apply_block(dataclasses.replace(args, capacity_factor=-1.0), params, x, c, MESHES["expert4xfsdp2"])
+    dropless = apply_block(with_moe(args, capacity_factor=-1.0), params, x, c, MESHES["expert4xfsdp2"])
     np.testing.assert_allclose(apply_block(args, params, x, c, MESHES["expert4xfsdp2"]), dropless, atol=1e-6)
 
 

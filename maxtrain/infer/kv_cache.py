@@ -39,9 +39,7 @@ AXES = ("batch", "cache_length", "kv_heads", "head_dim")  # the logical axes of 
 def layout(args) -> tuple[int, int, int]:
     """(rows per sequence, key width, value width) of a layer's cache: GQA's kv heads, each of head_dim;
     MLA's one row of its rotary key and its latent."""
-    if args.mla:
-        return 1, args.qk_rope_head_dim, args.kv_lora_rank
-    return args.kv_heads, args.head_dim, args.head_dim
+    return args.attention.cache_layout()
 
 
 def bytes_per_slot(args) -> int:

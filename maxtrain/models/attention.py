@@ -9,17 +9,63 @@ K head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.parallel import remat
-from maxtrain.models.args import ModelArgs
 from maxtrain.models.layers import RMSNorm, bias, dense_weight
 from maxtrain.models.rope import rope
 from maxtrain.ops.attention import Variant
 from maxtrain.parallel.rules import constrain
+
+if TYPE_CHECKING:
+    from maxtrain.models.args import ModelArgs
+
+
+@dataclasses.dataclass(frozen=True)
+class GQA:
+    """Grouped-query attention: `heads` query heads sharing `kv_heads` key/value heads of `head_dim`."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float  # the scores' scale: (query_pre_attn_scalar, or head_dim) ** -0.5
+    qkv_bias: bool = False  # Qwen2, gpt-oss
+    out_bias: bool = False  # gpt-oss
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    sinks: bool = False  # a learned logit per head in the softmax's denominator (gpt-oss)
+    softcap: float = 0.0  # scores -> cap x tanh(scores / cap) (Gemma 2); 0 = none
+
+    @classmethod
+    def from_config(cls, c) -> "GQA":
+        return cls(c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"],
+                   (c["query_pre_attn_scalar"] or c["head_dim"]) ** -0.5, c["qkv_bias"], c["attention_out_bias"],
+                   c["use_qk_norm"], c["attention_sinks"], c["attn_logit_softcapping"])
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
+
+    def params(self, embed: int) -> int:
+        h, n, k = self.heads, self.kv_heads, self.head_dim
+        return (embed * k * (2 * h + 2 * n) + (k * (h + 2 * n) if self.qkv_bias else 0) + (2 * k if self.qk_norm else 0)
+                + (h if self.sinks else 0) + (embed if self.out_bias else 0))
+
+    def projection_flops(self, embed: int) -> float:
+        """Matmul FLOPs per token of the q/k/v and output projections."""
+        return 2 * embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+
+    def cache_layout(self) -> tuple[int, int, int]:
+        """A decoding cache's (rows per sequence, key width, value width): the kv heads."""
+        return self.kv_heads, self.head_dim, self.head_dim
 
 
 class Attention(nn.Module):
@@ -30,26 +76,27 @@ class Attention(nn.Module):
         """(output [B,L,D], `cache` with this call's keys and values written; None in training). `layer`:
         this layer's index in the model (an int, or a traced one in a scanned stack), where some layers
         slide and some do not."""
-        a = self.args
-        wq_DxHxK = dense_weight(self, "wq", (a.embed, a.heads, a.head_dim), ("embed", "heads", "head_dim"))
-        wk_DxNxK = dense_weight(self, "wk", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"))
-        wv_DxNxK = dense_weight(self, "wv", (a.embed, a.kv_heads, a.head_dim), ("embed", "kv_heads", "head_dim"))
-        wo_HxKxD = dense_weight(self, "wo", (a.heads, a.head_dim, a.embed), ("heads", "head_dim", "embed"), (0, 1))
+        a, at = self.args, self.args.attention
+        h, n, hd = at.heads, at.kv_heads, at.head_dim
+        wq_DxHxK = dense_weight(self, "wq", (a.embed, h, hd), ("embed", "heads", "head_dim"))
+        wk_DxNxK = dense_weight(self, "wk", (a.embed, n, hd), ("embed", "kv_heads", "head_dim"))
+        wv_DxNxK = dense_weight(self, "wv", (a.embed, n, hd), ("embed", "kv_heads", "head_dim"))
+        wo_HxKxD = dense_weight(self, "wo", (h, hd, a.embed), ("heads", "head_dim", "embed"), (0, 1))
 
         q = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK)
         k = jnp.einsum("bld,dnk->blnk", x_BxLxD, wk_DxNxK)
         v = jnp.einsum("bld,dnk->blnk", x_BxLxD, wv_DxNxK)
-        if a.qkv_bias:  # Qwen2, gpt-oss
-            q = q + bias(self, "bq", (a.heads, a.head_dim), ("heads", "head_dim"))
-            k = k + bias(self, "bk", (a.kv_heads, a.head_dim), ("kv_heads", "head_dim"))
-            v = v + bias(self, "bv", (a.kv_heads, a.head_dim), ("kv_heads", "head_dim"))
-        if a.qk_norm:  # Qwen3, Gemma 3
-            q = RMSNorm(a, a.head_dim, name="q_norm")(q)
-            k = RMSNorm(a, a.head_dim, name="k_norm")(k)
+        if at.qkv_bias:
+            q = q + bias(self, "bq", (h, hd), ("heads", "head_dim"))
+            k = k + bias(self, "bk", (n, hd), ("kv_heads", "head_dim"))
+            v = v + bias(self, "bv", (n, hd), ("kv_heads", "head_dim"))
+        if at.qk_norm:
+            q = RMSNorm(a, hd, name="q_norm")(q)
+            k = RMSNorm(a, hd, name="k_norm")(k)
         sinks_H = None
-        if a.sinks:  # gpt-oss: float32, as the softmax it joins
+        if at.sinks:  # float32, as the softmax it joins
             sinks_H = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)),
-                                 (a.heads,), jnp.float32)
+                                 (h,), jnp.float32)
         q, k, v = (checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY),
                    checkpoint_name(v, remat.VALUE))
 
@@ -58,7 +105,7 @@ class Attention(nn.Module):
             q_BxLxHxK = constrain(rope(q, positions_BxL, r), ("batch", "length", "heads", "head_dim"))
             k_BxLxNxK = constrain(rope(k, positions_BxL, r), ("batch", "length", "kv_heads", "head_dim"))
             v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-            variant = Variant(window=a.window if slides else 0, scale=a.query_scale, softcap=a.attn_softcap)
+            variant = Variant(window=a.window if slides else 0, scale=at.scale, softcap=at.softcap)
             if cache is None:
                 return a.plan.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant,
                                      sinks_H), None
@@ -78,6 +125,6 @@ class Attention(nn.Module):
                                        lambda *x: attend(True, *x, None)[0], q, k, v)
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)
         out_BxLxD = jnp.einsum("blhk,hkd->bld", ctx_BxLxHxK, wo_HxKxD)
-        if a.attention_out_bias:  # gpt-oss
+        if at.out_bias:
             out_BxLxD = out_BxLxD + bias(self, "bo", (a.embed,), ("embed",))
         return checkpoint_name(out_BxLxD, remat.OUT), cache

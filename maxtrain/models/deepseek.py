@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.models.args import moe_width
+from maxtrain.models.moe import moe_width
 from maxtrain.models.hf_tensors import Tensor
 from maxtrain.models import decoder_spec, hf, hf_tensors
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register

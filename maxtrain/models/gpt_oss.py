@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.models.args import moe_width
+from maxtrain.models.moe import moe_width
 from maxtrain.models.hf_tensors import Tensor
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.layers import SWIGLU_ALPHA

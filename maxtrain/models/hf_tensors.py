@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from maxtrain.models.args import moe_width, padded_vocab
+from maxtrain.models.args import padded_vocab
+from maxtrain.models.moe import moe_width
 from maxtrain.models import registry, stacks as stacks_lib
 from maxtrain.models.registry import Keys
 

@@ -1,4 +1,6 @@
 """The decoder's building blocks: projections, RMSNorm and the gated MLP (RoPE: maxtrain.models.rope).
+RMSNorm and the MLP are parts: a spec (`Norm`, `GatedMLP`) that holds what the family chose and owns
+the counts, beside the module that runs it.
 
 Shape suffixes: B batch, L length, D embed, H query heads, N kv heads, G query heads per kv head,
 K head dim, F mlp, V vocab.
@@ -6,14 +8,52 @@ K head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.parallel import remat
-from maxtrain.models.args import ModelArgs
 from maxtrain.parallel.rules import constrain
+
+if TYPE_CHECKING:
+    from maxtrain.models.args import ModelArgs
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """RMSNorm: x / rms(x) times a learned scale, or times (1 + scale) (Gemma)."""
+    eps: float
+    plus_one: bool = False
+
+    @classmethod
+    def from_config(cls, c) -> "Norm":
+        return cls(c["normalization_layer_epsilon"], c["rms_norm_plus_one"])
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedMLP:
+    """down(act(gate(x)) * up(x)) of width `width`: SwiGLU (silu), GeGLU (gelu_tanh) or gpt-oss's
+    clamped SwiGLU (clamped_swiglu, clamped at `limit`); with `bias`, each projection's bias."""
+    width: int
+    activation: str = "silu"
+    limit: float = 0.0
+    bias: bool = False
+
+    @classmethod
+    def from_config(cls, c, width: int | None = None) -> "GatedMLP":
+        return cls(c["base_mlp_dim"] if width is None else width, c["mlp_activation"], c["mlp_activation_limit"],
+                   c["mlp_bias"])
+
+    def params(self, embed: int) -> int:
+        return 3 * embed * self.width + (2 * self.width + embed if self.bias else 0)
+
+    def flops(self, embed: int) -> float:
+        """Matmul FLOPs per token."""
+        return 2 * 3 * embed * self.width
 
 
 def dense_init(fan_in_axes: tuple[int, ...]):
@@ -41,24 +81,24 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxLxD):
-        a = self.args
-        init = nn.initializers.zeros if a.norm_plus_one else nn.initializers.ones  # Gemma: x (1 + scale)
+        a, norm = self.args, self.args.norm
+        init = nn.initializers.zeros if norm.plus_one else nn.initializers.ones  # Gemma: x (1 + scale)
         scale_D = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (self.dim or a.embed,),
                              a.weight_dtype).astype(jnp.float32)
         x = x_BxLxD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + (a.norm_eps if self.eps is None else self.eps))
-        return (x * (1.0 + scale_D if a.norm_plus_one else scale_D)).astype(a.dtype)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + (norm.eps if self.eps is None else self.eps))
+        return (x * (1.0 + scale_D if norm.plus_one else scale_D)).astype(a.dtype)
 
 
 SWIGLU_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: gate x sigmoid(alpha x gate)
 
 
-def activate(gate, up, a: ModelArgs):
+def activate(gate, up, mlp: GatedMLP):
     """The gated MLP's hidden activation from its gate and up projections."""
-    if a.mlp_activation == "gelu_tanh":
+    if mlp.activation == "gelu_tanh":
         return nn.gelu(gate, approximate=True) * up
-    if a.mlp_activation == "clamped_swiglu":
-        limit = a.mlp_activation_limit
+    if mlp.activation == "clamped_swiglu":
+        limit = mlp.limit
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
         return (up + 1) * gate * jax.nn.sigmoid(SWIGLU_ALPHA * gate)
     return nn.silu(gate) * up
@@ -87,16 +127,17 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 class MLP(nn.Module):
     args: ModelArgs
-    width: int | None = None  # default: the model's mlp width
+    spec: GatedMLP | None = None  # default: the model's dense layers' (args.mlp)
 
     @nn.compact
     def __call__(self, x_BxLxD):
         a = self.args
-        f = self.width or a.mlp
+        spec = self.spec or a.mlp
+        f = spec.width
         gate_DxF = dense_weight(self, "wi_gate", (a.embed, f), ("embed", "mlp"))
         up_DxF = dense_weight(self, "wi_up", (a.embed, f), ("embed", "mlp"))
         down_FxD = dense_weight(self, "wo", (f, a.embed), ("mlp", "embed"))
-        add = (lambda name, shape, axes: bias(self, name, shape, axes)) if a.mlp_bias else (lambda *_: 0.0)  # noqa: E731
+        add = (lambda name, shape, axes: bias(self, name, shape, axes)) if spec.bias else (lambda *_: 0.0)  # noqa: E731
         gate_bias_F, up_bias_F, down_bias_D = (add("bi_gate", (f,), ("mlp",)), add("bi_up", (f,), ("mlp",)),
                                                add("bo", (a.embed,), ("embed",)))
         mm = (lambda x, w: jnp.einsum("...d,df->...f", x, w)) if a.quantized_mlp else matmul  # noqa: E731
@@ -104,7 +145,7 @@ class MLP(nn.Module):
         def mlp(x_BxCxD):
             gate_BxCxF = checkpoint_name(mm(x_BxCxD, gate_DxF) + gate_bias_F, remat.MLP_IN)
             up_BxCxF = checkpoint_name(mm(x_BxCxD, up_DxF) + up_bias_F, remat.MLP_IN)
-            h_BxCxF = constrain(activate(gate_BxCxF, up_BxCxF, a), ("batch", "length", "mlp"))
+            h_BxCxF = constrain(activate(gate_BxCxF, up_BxCxF, spec), ("batch", "length", "mlp"))
             return checkpoint_name(mm(h_BxCxF, down_FxD) + down_bias_D, remat.MLP_OUT)
 
         return a.plan.mlp(mlp, x_BxLxD)  # long sequences: in chunks of positions

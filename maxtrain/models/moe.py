@@ -14,8 +14,10 @@ assignments, G experts on a device, F expert width, S rows a device sends to eac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import flax.linen as nn
 from flax import traverse_util
@@ -24,11 +26,60 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.models import stacks as stacks_lib
-from maxtrain.models.args import ModelArgs
 from maxtrain.parallel.axes import EXPERT_WEIGHT_AXES
-from maxtrain.models.layers import MLP, activate, bias, dense_weight
+from maxtrain.models.layers import MLP, GatedMLP, activate, bias, dense_weight
 from maxtrain.parallel.rules import constrain
 
+if TYPE_CHECKING:
+    from maxtrain.models.args import ModelArgs
+
+
+def moe_width(m) -> int:
+    """Each expert's MLP width: base_moe_mlp_dim, where -1 means base_mlp_dim."""
+    return m["base_mlp_dim"] if m["base_moe_mlp_dim"] == -1 else m["base_moe_mlp_dim"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    num_experts: int
+    experts_per_token: int
+    expert: GatedMLP  # each routed expert; the shared experts are one such MLP of their joint width
+    shared_experts: int = 0  # always-on experts (DeepSeek, Qwen2-MoE)
+    first_dense_layers: int = 0  # the model's leading layers with a dense MLP instead
+    capacity_factor: float = -1.0  # <= 0: dropless
+    score_func: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
+    routed_bias: bool = False  # DeepSeek-V3's balancing bias: not trained, moved by the train step
+    scaling_factor: float = 1.0  # the routed experts' weights times this
+    logit_bias: bool = False  # gpt-oss: a trained bias on the router's logits
+    groups: int = 0  # group-limited routing: the experts' groups, and how many a token picks from; 0 = none
+    top_groups: int = 0
+
+    @classmethod
+    def from_config(cls, c) -> "MoE | None":
+        """None for a dense model (num_experts 1)."""
+        if c["num_experts"] == 1:
+            return None
+        return cls(c["num_experts"], c["num_experts_per_tok"], GatedMLP.from_config(c, moe_width(c)),
+                   c["shared_experts"], c["first_num_dense_layers"], c["capacity_factor"], c["routed_score_func"],
+                   c["norm_topk_prob"], c["routed_bias"], c["routed_scaling_factor"], c["router_logit_bias"],
+                   max(c["n_routing_groups"], 0), max(c["topk_routing_group"], 0))
+
+    @property
+    def shared(self) -> GatedMLP:
+        return dataclasses.replace(self.expert, width=self.shared_experts * self.expert.width)
+
+    def params(self, embed: int, active: bool = False) -> int:
+        """`active`: those a token uses (its top-k of the routed experts), and no balancing bias."""
+        e, routed = self.num_experts, self.experts_per_token if active else self.num_experts
+        shared = self.shared.params(embed) if self.shared_experts else 0
+        return (embed * e + routed * self.expert.params(embed) + shared + (e if self.routed_bias and not active else 0)
+                + (e if self.logit_bias else 0))
+
+    def flops(self, embed: int, active: bool = True) -> float:
+        """Matmul FLOPs per token: the router and the experts a token uses (with active=False, every one)."""
+        routed = self.experts_per_token if active else self.num_experts
+        return self.expert.flops(embed) * (routed + self.shared_experts) + 2 * embed * self.num_experts
 
 
 class MoEBlock(nn.Module):
@@ -36,17 +87,17 @@ class MoEBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxLxD):
-        a = self.args
-        e, f = a.num_experts, a.moe_mlp
+        a, mo = self.args, self.args.moe
+        e, f = mo.num_experts, mo.expert.width
         router_DxE = self.param("router", nn.with_logical_partitioning(
             nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"), ("embed", None)),
             (a.embed, e), a.weight_dtype)
         bias_E = None
-        if a.routed_bias:  # DeepSeek-V3's balancing bias: not trained, moved by the train step (step.py)
+        if mo.routed_bias:  # not trained, moved by the train step (step.py)
             bias_E = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                                 (e,), jnp.float32)
         logit_bias_E = None
-        if a.router_logit_bias:  # gpt-oss: trained with the router, float32 as the routing math
+        if mo.logit_bias:  # trained with the router, float32 as the routing math
             logit_bias_E = self.param("router_logit_bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                                                         (None,)), (e,), jnp.float32)
         weights_BxLxK, experts_BxLxK = self.route(x_BxLxD, router_DxE, bias_E, logit_bias_E)
@@ -55,14 +106,14 @@ class MoEBlock(nn.Module):
         up_ExDxF = dense_weight(self, "wi_up", (e, a.embed, f), EXPERT_WEIGHT_AXES, fan_in=(1,))
         down_ExFxD = dense_weight(self, "wo", (e, f, a.embed), ("experts", "moe_mlp", "embed"), fan_in=(1,))
         biases = None
-        if a.mlp_bias:  # gpt-oss: each expert's gate and up biases go into the grouped matmuls
+        if mo.expert.bias:  # each expert's gate and up biases go into the grouped matmuls
             biases = (bias(self, "bi_gate", (e, f), ("experts", "moe_mlp")),
                       bias(self, "bi_up", (e, f), ("experts", "moe_mlp")))
-        cap = capacity(a, x_BxLxD.shape[1]) if a.capacity_factor > 0 else None
+        cap = capacity(mo, x_BxLxD.shape[1]) if mo.capacity_factor > 0 else None
         weights_BxLxK = weights_BxLxK.astype(a.dtype)
         y_BxLxD = a.plan.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, (gate_ExDxF, up_ExDxF, down_ExFxD), cap,
-                                    biases, functools.partial(activate, a=a))
-        if a.mlp_bias:  # the down bias, sum_k w_k bias[e_k], outside the experts' work: added once however the
+                                    biases, functools.partial(activate, mlp=mo.expert))
+        if mo.expert.bias:  # the down bias, sum_k w_k bias[e_k], outside the experts' work: added once however the
             # experts' width splits; a dropped assignment (expert e) picks none. The [E, D] bias is made whole
             # on every device first, so its gradient is each device's own tokens summed, then one all-reduce:
             # sharded as stored (its experts on an axis that also splits the batch), XLA:TPU gathered the
@@ -70,8 +121,8 @@ class MoEBlock(nn.Module):
             down_bias_ExD = constrain(bias(self, "bo", (e, a.embed), ("experts", "embed")), (None, None))
             picked_BxLxE = jnp.einsum("blk,blke->ble", weights_BxLxK, jax.nn.one_hot(experts_BxLxK, e, dtype=a.dtype))
             y_BxLxD = y_BxLxD + jnp.einsum("ble,ed->bld", picked_BxLxE, down_bias_ExD)
-        if a.shared_experts:  # always-on experts (DeepSeek, Qwen2-MoE), one SwiGLU of their joint width
-            y_BxLxD = y_BxLxD + MLP(a, width=a.shared_experts * f, name="shared")(x_BxLxD)
+        if mo.shared_experts:
+            y_BxLxD = y_BxLxD + MLP(a, mo.shared, name="shared")(x_BxLxD)
         return y_BxLxD
 
     def route(self, x_BxLxD, router_DxE, bias_E, logit_bias_E=None):
@@ -79,26 +130,25 @@ class MoEBlock(nn.Module):
         each layer's auxiliary losses and expert load as intermediates. `logit_bias_E` (gpt-oss) joins
         the logits before scoring and choosing: softmax, top-k, renormalised is gpt-oss's softmax over
         the top-k logits."""
-        a = self.args
-        e, k = a.num_experts, a.experts_per_token
+        a, mo = self.args, self.args.moe
+        e, k = mo.num_experts, mo.experts_per_token
         logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
         if logit_bias_E is not None:
             logits_BxLxE = logits_BxLxE + logit_bias_E
-        if a.routed_score_func == "softmax":
+        if mo.score_func == "softmax":
             scores_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
             probs_BxLxE = scores_BxLxE
         else:
             scores_BxLxE = jax.nn.sigmoid(logits_BxLxE)
             probs_BxLxE = scores_BxLxE / jnp.sum(scores_BxLxE, axis=-1, keepdims=True)
         choose_BxLxE = scores_BxLxE if bias_E is None else scores_BxLxE + jax.lax.stop_gradient(bias_E)
-        if a.routing_groups:  # DeepSeek's group-limited routing: experts only from the token's best groups
-            choose_BxLxE = limit_to_groups(choose_BxLxE, a.routing_groups, a.routing_top_groups,
-                                           a.routed_score_func == "sigmoid")
+        if mo.groups:  # DeepSeek's group-limited routing: experts only from the token's best groups
+            choose_BxLxE = limit_to_groups(choose_BxLxE, mo.groups, mo.top_groups, mo.score_func == "sigmoid")
         _, experts_BxLxK = jax.lax.top_k(choose_BxLxE, k)
         weights_BxLxK = jnp.take_along_axis(scores_BxLxE, experts_BxLxK, axis=-1)
-        if a.norm_topk_prob:
+        if mo.norm_topk_prob:
             weights_BxLxK = weights_BxLxK / (jnp.sum(weights_BxLxK, axis=-1, keepdims=True) + 1e-20)
-        weights_BxLxK = weights_BxLxK * a.routed_scaling_factor
+        weights_BxLxK = weights_BxLxK * mo.scaling_factor
 
         # Load and the Switch/Mixtral balancing loss over the whole batch: E * sum_e (tokens to e / tokens)
         # * (mean probability of e), k at perfect balance (as HF's and MaxText's). Counting is not differentiable.
@@ -107,12 +157,12 @@ class MoEBlock(nn.Module):
         self.sow("intermediates", "expert_load", counts_E / (tokens * k))
         self.sow("intermediates", "lb_loss", e * jnp.sum(counts_E / tokens * jnp.mean(probs_BxLxE, axis=(0, 1))))
         self.sow("intermediates", "z_loss", jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxE, axis=-1))))
-        if a.capacity_factor > 0:
+        if mo.capacity_factor > 0:
             length, places = x_BxLxD.shape[1], a.plan.positions_order(x_BxLxD.shape[1])
             if places is not None:  # "first" by position: the batch is in zigzag order
-                keep_BxLxK = within_capacity(experts_BxLxK[:, np.argsort(places)], e, capacity(a, length))[:, places]
+                keep_BxLxK = within_capacity(experts_BxLxK[:, np.argsort(places)], e, capacity(mo, length))[:, places]
             else:
-                keep_BxLxK = within_capacity(experts_BxLxK, e, capacity(a, length))
+                keep_BxLxK = within_capacity(experts_BxLxK, e, capacity(mo, length))
             self.sow("intermediates", "dropped", 1.0 - jnp.mean(keep_BxLxK.astype(jnp.float32)))
             experts_BxLxK = jnp.where(keep_BxLxK, experts_BxLxK, e)
         return weights_BxLxK, experts_BxLxK
@@ -133,9 +183,9 @@ def limit_to_groups(choose_BxLxE, groups: int, top_groups: int, best_two: bool):
     return jnp.where(keep_BxLxG[..., None], grouped_BxLxGxP, -jnp.inf).reshape(choose_BxLxE.shape)
 
 
-def capacity(a, length: int) -> int:
+def capacity(mo: MoE, length: int) -> int:
     """Assignments each expert takes from one sequence: capacity_factor x its fair share, rounded up."""
-    return math.ceil(a.capacity_factor * length * a.experts_per_token / a.num_experts)
+    return math.ceil(mo.capacity_factor * length * mo.experts_per_token / mo.num_experts)
 
 
 def within_capacity(experts_BxLxK, num_experts: int, cap: int):

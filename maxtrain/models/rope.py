@@ -35,11 +35,11 @@ class Rope:
         """The config's RoPE; with `theta`, that base and no scaling (Gemma 3's sliding layers)."""
         if theta is not None:
             return cls(theta=theta)
-        return cls(theta=c.rope_theta, kind=c.rope_type, factor=c.rope_scaling_factor,
-                   low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
-                   original_length=c.rope_original_max_position_embeddings, beta_fast=c.rope_yarn_beta_fast,
-                   beta_slow=c.rope_yarn_beta_slow, truncate=c.rope_yarn_truncate, mscale=c.rope_yarn_mscale,
-                   mscale_all_dim=c.rope_yarn_mscale_all_dim)
+        return cls(theta=c["rope_theta"], kind=c["rope_type"], factor=c["rope_scaling_factor"],
+                   low_freq_factor=c["rope_low_freq_factor"], high_freq_factor=c["rope_high_freq_factor"],
+                   original_length=c["rope_original_max_position_embeddings"], beta_fast=c["rope_yarn_beta_fast"],
+                   beta_slow=c["rope_yarn_beta_slow"], truncate=c["rope_yarn_truncate"], mscale=c["rope_yarn_mscale"],
+                   mscale_all_dim=c["rope_yarn_mscale_all_dim"])
 
     def frequencies(self, half: int):
         """[half] float32 angular frequencies."""

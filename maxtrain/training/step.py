@@ -73,13 +73,13 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
             total = total + mtp_factor / depths * depth_total
             mtp_sum, mtp_tokens = mtp_sum + depth_sum, mtp_tokens + jnp.sum(weights_k)
         aux |= {"mtp_loss_sum": mtp_sum, "mtp_tokens": mtp_tokens}
-    if model.args.num_experts > 1:
+    if model.args.moe is not None:
         layers = recorded["intermediates"]
         lb, z = jnp.mean(moe.collect(layers, "lb_loss")), jnp.mean(moe.collect(layers, "z_loss"))
         total = total + tokens * (moe_weights[0] * lb + moe_weights[1] * z)
         aux |= {"moe_lb_loss": lb * tokens, "moe_z_loss": z * tokens,
                 "moe_load": jax.tree.map(lambda x: x * tokens, layers)}
-        if model.args.capacity_factor > 0:
+        if model.args.moe.capacity_factor > 0:
             aux["moe_dropped"] = jnp.mean(moe.collect(layers, "dropped")) * tokens
     return total * scale, aux
 
