@@ -42,8 +42,8 @@ from maxtrain.runtime.errors import ConvertError
 from maxtrain.checkpoint.hf_format import HF_SIDE_FILES, SafetensorsDir, read_json, tokenizer_settings
 from maxtrain.models import stacks as stacks_lib
 from maxtrain.models.hf import hf_config_for, hf_kind, model_keys_from_hf, supported, with_defaults
-from maxtrain.models.hf_tensors import (FUSED_EXPERTS_NAME, LayerTensors, Tensor, hf_names, mtp_copies, mtp_depths,
-                                        tensor_table)
+from maxtrain.models.hf_layout import Tensor, hf_names
+from maxtrain.models.hf_tensors import FUSED_EXPERTS_NAME, LayerTensors, mtp_copies, mtp_depths, tensor_table
 from maxtrain.checkpoint.staging import check_out, staged, unwritable
 
 

@@ -23,7 +23,7 @@ from maxtrain.runtime.errors import ConvertError
 
 from conftest import decode
 from test_convert_moe import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
-from test_moe import MESHES, apply_block, block_args, init_block, mesh_overrides, random_x, with_moe
+from test_moe import MESHES, apply_block, block_args, init_block, mesh_overrides, random_x
 
 GPT_OSS_MOE = ("mlp_bias=true", "router_logit_bias=true", "mlp_activation=clamped_swiglu",
                "mlp_activation_limit=0.8")  # a limit the random activations reach, so the clamps matter
@@ -72,7 +72,7 @@ def test_moe_block_with_capacity_drops_the_down_bias_too(tiny_config):
     args, c = block_args(tiny_config, *GPT_OSS_MOE, *mesh_overrides(MESHES["expert4xfsdp2"]), capacity_factor=0.5)
     x = random_x(args)
     params = randomized(init_block(args, x))
-    dropless = apply_block(with_moe(args, capacity_factor=-1.0), params, x, c,
+    dropless = apply_block(dataclasses.replace(args, capacity_factor=-1.0), params, x, c,
                            MESHES["expert4xfsdp2"])
     dropped = apply_block(args, params, x, c, MESHES["expert4xfsdp2"])
     assert not np.allclose(dropless, dropped)

@@ -7,9 +7,14 @@ import numpy as np
 import pytest
 
 import maxtrain.ops.attention
+from maxtrain.config import load as config_lib
+from maxtrain.config.keys import MODEL_KEYS
 from maxtrain.models import registry
 from maxtrain.parallel import remat
-from maxtrain.models.args import ModelArgs
+from maxtrain.models.args import ModelArgs, attention_of
+from maxtrain.models.layers import GatedMLP, Norm
+from maxtrain.models.mla import MLA
+from maxtrain.models.moe import MoE
 from maxtrain.models.decoder import Decoder, stack_layers, unstack_layers
 from maxtrain.models.layers import matmul
 
@@ -190,3 +195,16 @@ def test_matmul_gradients_equal_autodiff(dtype):
         assert a.dtype == b.dtype and a.shape == b.shape
         rtol = 1e-2 if dtype == jnp.bfloat16 else 1e-5  # only the summation order differs
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (config_lib.CONFIG_DIR / "models").glob("*.yml")))
+def test_a_models_parts_come_from_its_model_keys_alone(name):
+    """A checkpoint's model description (MODEL_KEYS) builds the same parts as the whole config: conversion and
+    the counts ask the parts without a run's settings."""
+    c = config_lib.load([str(config_lib.BASE_YML), f"model_name={name}"])
+    m = {k: c[k] for k in MODEL_KEYS}
+    args = ModelArgs.from_config(c)
+    assert (attention_of(m), GatedMLP.from_config(m), MoE.from_config(m), Norm.from_config(m)) == (
+        args.attention, args.mlp, args.moe, args.norm)
+    assert isinstance(args.attention, MLA) == (c.attention_type == "mla")
+    assert (args.moe is None) == (c.num_experts == 1)

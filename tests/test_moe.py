@@ -46,11 +46,12 @@ def with_moe(args, **changes):
 
 
 def block_args(tiny_config, *overrides, **changes):
-    """The tiny MoE's args, with `changes` to its execution plan's fields or its MoE part's."""
+    """The tiny MoE's args, with `changes` to its execution plan's fields, its own or its MoE part's."""
     c = tiny_config(*MOE, *overrides)
-    planned = {f.name for f in dataclasses.fields(Plan)}
+    planned, own = {f.name for f in dataclasses.fields(Plan)}, {f.name for f in dataclasses.fields(ModelArgs)}
     args = with_plan(ModelArgs.from_config(c), **{k: v for k, v in changes.items() if k in planned})
-    return with_moe(args, **{k: v for k, v in changes.items() if k not in planned}), c
+    args = dataclasses.replace(args, **{k: v for k, v in changes.items() if k in own})
+    return with_moe(args, **{k: v for k, v in changes.items() if k not in planned | own}), c
 
 
 def init_block(args, x):
@@ -147,9 +148,9 @@ def test_capacity_drops_exactly_what_the_definition_says(tiny_config, mesh):
     args, c = block_args(tiny_config, *mesh_overrides(MESHES[mesh or "expert1"]), capacity_factor=0.5)
     x = random_x(args)
     params = init_block(args, x)
-    cap = moe.capacity(args.moe, x.shape[1])
+    cap = moe.capacity(args.moe, args.capacity_factor, x.shape[1])
     assert cap == math.ceil(0.5 * 16 * 2 / 8) == 2
-    dropless = with_moe(args, capacity_factor=-1.0)
+    dropless = dataclasses.replace(args, capacity_factor=-1.0)
     keep = capacity_reference(chosen_experts(dropless, params, x), args.moe.num_experts, cap)
     assert 0 < keep.mean() < 1  # some dropped, some kept
     np.testing.assert_array_equal(chosen_experts(args, params, x) < args.moe.num_experts, keep)
@@ -186,7 +187,7 @@ def test_a_large_capacity_equals_dropless(tiny_config):
     args, c = block_args(tiny_config, *mesh_overrides(MESHES["expert4xfsdp2"]), capacity_factor=4.0)
     x = random_x(args)
     params = init_block(args, x)
-    dropless = apply_block(with_moe(args, capacity_factor=-1.0), params, x, c, MESHES["expert4xfsdp2"])
+    dropless = apply_block(dataclasses.replace(args, capacity_factor=-1.0), params, x, c, MESHES["expert4xfsdp2"])
     np.testing.assert_allclose(apply_block(args, params, x, c, MESHES["expert4xfsdp2"]), dropless, atol=1e-6)
 
 

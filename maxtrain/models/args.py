@@ -53,6 +53,7 @@ class ModelArgs:
     scan_layers: bool
     logits_dot_in_fp32: bool
     quantized_mlp: bool  # the MLPs' matmuls as jnp.einsum, which Qwix intercepts (maxtrain.models.quantization)
+    capacity_factor: float  # an MoE layer's expert takes at most this x its fair share of a sequence; <= 0: all
     plan: Plan  # how the layers run: kernels, chunks, remat, the scan's unroll (maxtrain.parallel.plan)
 
     @classmethod
@@ -67,6 +68,7 @@ class ModelArgs:
             final_softcap=c.final_logit_softcapping, mtp_layers=c.mtp_num_layers,
             dtype=jnp.dtype(compute_dtype(c)), weight_dtype=jnp.dtype(c.weight_dtype), scan_layers=c.scan_layers,
             logits_dot_in_fp32=c.logits_dot_in_fp32, quantized_mlp="mlp" in quantization.targets(c),
+            capacity_factor=c.capacity_factor,
             plan=Plan.from_resolved(c) if "mesh_shape" in c else Plan.single_device(c))
 
     @property

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.parallel import remat
+from maxtrain.models.hf_layout import Tensor, same
 from maxtrain.models.layers import RMSNorm, bias, dense_weight
 from maxtrain.models.rope import rope
 from maxtrain.ops.attention import Variant
@@ -66,6 +67,36 @@ class GQA:
     def cache_layout(self) -> tuple[int, int, int]:
         """A decoding cache's (rows per sequence, key width, value width): the kv heads."""
         return self.kv_heads, self.head_dim, self.head_dim
+
+    def hf_tensors(self, embed: int) -> list[Tensor]:
+        """HF's self_attn projections, and its q/k norms, biases and sinks where the model has them."""
+        d, h, n, k = embed, self.heads, self.kv_heads, self.head_dim
+
+        def heads_out(count):  # [count*K, D] <-> [D, count, K]
+            return (lambda x: x.T.reshape(d, count, k)), (lambda w: w.reshape(d, count * k).T)
+
+        def bias(count):  # [count*K] <-> [count, K]
+            return (lambda x: x.reshape(count, k)), (lambda w: w.reshape(count * k))
+
+        tensors = [
+            Tensor(("attention", "wq"), "self_attn.q_proj.weight", (h * k, d), *heads_out(h)),
+            Tensor(("attention", "wk"), "self_attn.k_proj.weight", (n * k, d), *heads_out(n)),
+            Tensor(("attention", "wv"), "self_attn.v_proj.weight", (n * k, d), *heads_out(n)),
+            Tensor(("attention", "wo"), "self_attn.o_proj.weight", (d, h * k),
+                   lambda x: x.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T),
+        ]
+        if self.qk_norm:
+            tensors += [Tensor(("attention", "q_norm", "scale"), "self_attn.q_norm.weight", (k,), same, same),
+                        Tensor(("attention", "k_norm", "scale"), "self_attn.k_norm.weight", (k,), same, same)]
+        if self.qkv_bias:
+            tensors += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
+                        Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
+                        Tensor(("attention", "bv"), "self_attn.v_proj.bias", (n * k,), *bias(n))]
+        if self.out_bias:
+            tensors.append(Tensor(("attention", "bo"), "self_attn.o_proj.bias", (d,), same, same))
+        if self.sinks:
+            tensors.append(Tensor(("attention", "sinks"), "self_attn.sinks", (h,), same, same))
+        return tensors
 
 
 class Attention(nn.Module):

@@ -1,8 +1,8 @@
 """What every family here shares: maxtrain's decoder (maxtrain.models.decoder: RMSNorm, RoPE, GQA attention with
 optional q/k/v biases and q/k norms, SwiGLU or a mixture of experts) and the facts that follow from its
-shape: the counts are each part's (maxtrain.models.args.ModelArgs's), summed over the layers. A family module builds its ModelSpec from these and adds what is its own (which configs are
-its, its HF names). The counts are checked against the built modules and transformers in
-tests/test_registry.py.
+shape: the counts are each part's (maxtrain.models.args.ModelArgs's), summed over the layers. A family module
+builds its ModelSpec from these and adds what is its own (which configs are its, its HF names). The counts are
+checked against the built modules and transformers in tests/test_registry.py.
 """
 
 from __future__ import annotations

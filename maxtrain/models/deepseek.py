@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.models.moe import moe_width
-from maxtrain.models.hf_tensors import Tensor
-from maxtrain.models import decoder_spec, hf, hf_tensors
+from maxtrain.models.moe import MoE, moe_width
+from maxtrain.models.hf_layout import Tensor, same, transposed
+from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 from maxtrain.runtime import base_yml
 from maxtrain.runtime.errors import ConvertError
@@ -141,7 +141,6 @@ def _interleaved(hf_config: dict | None) -> bool:
 def _attention_tensors(m: Keys, hf_config: dict | None) -> list[Tensor]:
     d, h, q, c = m["base_emb_dim"], m["base_num_query_heads"], m["q_lora_rank"], m["kv_lora_rank"]
     p, r, j = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
-    same = lambda x: x  # noqa: E731
     # interleaved pairs (0, 1), (2, 3) ... -> halves (0, 2, ...), (1, 3, ...): the last r of each row block
     order = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if _interleaved(hf_config) else np.arange(r)
     back = np.argsort(order)
@@ -171,24 +170,20 @@ def _attention_tensors(m: Keys, hf_config: dict | None) -> list[Tensor]:
 
 def _mlp_tensors(m: Keys, fused: bool) -> list[Tensor]:
     """An MoE layer's router, its balancing bias (V3), routed and shared experts."""
-    d, f = m["base_emb_dim"], m["shared_experts"] * moe_width(m)
-    T = lambda x: x.T  # noqa: E731
-    tensors = hf_tensors.expert_tensors(m, fused, "mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
-                                "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
-    if m["routed_bias"]:
-        tensors.append(Tensor(("mlp", "router_bias"), "mlp.gate.e_score_correction_bias", (m["num_experts"],),
-                              lambda x: x, lambda w: w))
-    if f:
-        tensors += [Tensor(("mlp", "shared", "wi_gate"), "mlp.shared_experts.gate_proj.weight", (f, d), T, T),
-                    Tensor(("mlp", "shared", "wi_up"), "mlp.shared_experts.up_proj.weight", (f, d), T, T),
-                    Tensor(("mlp", "shared", "wo"), "mlp.shared_experts.down_proj.weight", (d, f), T, T)]
+    d, moe = m["base_emb_dim"], MoE.from_config(m)
+    tensors = moe.hf_tensors(d, fused, "mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+                             "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
+    if moe.routed_bias:
+        tensors.append(Tensor(("mlp", "router_bias"), "mlp.gate.e_score_correction_bias", (moe.num_experts,),
+                              same, same))
+    if moe.shared_experts:
+        tensors += moe.shared.hf_tensors(d, ("mlp", "shared"), "mlp.shared_experts")
     return tensors
 
 
 def _mtp_tensors(m: Keys) -> list[Tensor]:
     """A multi-token prediction depth's own tensors in DeepSeek-V3's checkpoints (beside its layer's)."""
-    d = m["base_emb_dim"]
-    same, T = (lambda x: x), (lambda x: x.T)  # noqa: E731
+    d, T = m["base_emb_dim"], transposed
     return [Tensor(("embedding_norm", "scale"), "enorm.weight", (d,), same, same),
             Tensor(("hidden_norm", "scale"), "hnorm.weight", (d,), same, same),
             Tensor(("projection",), "eh_proj.weight", (d, 2 * d), T, T),  # input: [embedding; hidden]

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from maxtrain.models.moe import moe_width
-from maxtrain.models.hf_tensors import Tensor
+from maxtrain.models.hf_layout import Tensor
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.layers import SWIGLU_ALPHA
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register

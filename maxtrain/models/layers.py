@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.parallel import remat
+from maxtrain.models.hf_layout import Tensor, transposed
 from maxtrain.parallel.rules import constrain
 
 if TYPE_CHECKING:
@@ -54,6 +55,13 @@ class GatedMLP:
     def flops(self, embed: int) -> float:
         """Matmul FLOPs per token."""
         return 2 * 3 * embed * self.width
+
+    def hf_tensors(self, embed: int, path: tuple[str, ...] = ("mlp",), name: str = "mlp") -> list[Tensor]:
+        """HF's <name>.gate_proj, up_proj, down_proj, for the parameters under `path`."""
+        d, f, T = embed, self.width, transposed
+        return [Tensor((*path, "wi_gate"), f"{name}.gate_proj.weight", (f, d), T, T),
+                Tensor((*path, "wi_up"), f"{name}.up_proj.weight", (f, d), T, T),
+                Tensor((*path, "wo"), f"{name}.down_proj.weight", (d, f), T, T)]
 
 
 def dense_init(fan_in_axes: tuple[int, ...]):

@@ -5,8 +5,8 @@ w2 [D, F] (down); its experts are intermediate_size wide."""
 from __future__ import annotations
 
 from maxtrain.runtime.errors import ConvertError
-from maxtrain.models.moe import moe_width
-from maxtrain.models import decoder_spec, hf, hf_tensors
+from maxtrain.models.moe import MoE, moe_width
+from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
 
@@ -36,8 +36,8 @@ HF = HFMapping(
         "bos_token_id": 1, "eos_token_id": 2}, fresh={"sliding_window": None})},
     keys=_keys,
     config=_config,
-    mlp_tensors=lambda m, fused: hf_tensors.expert_tensors(
-        m, fused, "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+    mlp_tensors=lambda m, fused: MoE.from_config(m).hf_tensors(
+        m["base_emb_dim"], fused, "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
         "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
     windowed=True,
     expresses=("sliding_window_size",),

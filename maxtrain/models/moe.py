@@ -27,6 +27,7 @@ import numpy as np
 
 from maxtrain.models import stacks as stacks_lib
 from maxtrain.parallel.axes import EXPERT_WEIGHT_AXES
+from maxtrain.models.hf_layout import Tensor, transposed
 from maxtrain.models.layers import MLP, GatedMLP, activate, bias, dense_weight
 from maxtrain.parallel.rules import constrain
 
@@ -46,7 +47,6 @@ class MoE:
     expert: GatedMLP  # each routed expert; the shared experts are one such MLP of their joint width
     shared_experts: int = 0  # always-on experts (DeepSeek, Qwen2-MoE)
     first_dense_layers: int = 0  # the model's leading layers with a dense MLP instead
-    capacity_factor: float = -1.0  # <= 0: dropless
     score_func: str = "softmax"  # softmax | sigmoid
     norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
     routed_bias: bool = False  # DeepSeek-V3's balancing bias: not trained, moved by the train step
@@ -61,9 +61,9 @@ class MoE:
         if c["num_experts"] == 1:
             return None
         return cls(c["num_experts"], c["num_experts_per_tok"], GatedMLP.from_config(c, moe_width(c)),
-                   c["shared_experts"], c["first_num_dense_layers"], c["capacity_factor"], c["routed_score_func"],
-                   c["norm_topk_prob"], c["routed_bias"], c["routed_scaling_factor"], c["router_logit_bias"],
-                   max(c["n_routing_groups"], 0), max(c["topk_routing_group"], 0))
+                   c["shared_experts"], c["first_num_dense_layers"], c["routed_score_func"], c["norm_topk_prob"],
+                   c["routed_bias"], c["routed_scaling_factor"], c["router_logit_bias"], max(c["n_routing_groups"], 0),
+                   max(c["topk_routing_group"], 0))
 
     @property
     def shared(self) -> GatedMLP:
@@ -80,6 +80,24 @@ class MoE:
         """Matmul FLOPs per token: the router and the experts a token uses (with active=False, every one)."""
         routed = self.experts_per_token if active else self.num_experts
         return self.expert.flops(embed) * (routed + self.shared_experts) + 2 * embed * self.num_experts
+
+
+    def hf_tensors(self, embed: int, fused: bool, router: str, gate: str, up: str, down: str) -> list[Tensor]:
+        """The router and the experts: in the file layout under the family's names ("{e}" marks the expert),
+        or with `fused` in transformers 5's in-memory layout, which it also loads from files (import only)."""
+        d, e, f, T = embed, self.num_experts, self.expert.width, transposed
+        swap = lambda x: x.transpose(0, 2, 1)  # noqa: E731  [E, out, in] <-> [E, in, out]
+        if fused:
+            return [Tensor(("mlp", "router"), "mlp.gate.weight", (e, d), T, T),
+                    Tensor(("mlp", "wi_gate"), "mlp.experts.gate_up_proj", (e, 2 * f, d), lambda x: swap(x[:, :f]),
+                           None),
+                    Tensor(("mlp", "wi_up"), "mlp.experts.gate_up_proj", (e, 2 * f, d), lambda x: swap(x[:, f:]),
+                           None),
+                    Tensor(("mlp", "wo"), "mlp.experts.down_proj", (e, d, f), swap, None)]
+        return [Tensor(("mlp", "router"), router, (e, d), T, T),
+                Tensor(("mlp", "wi_gate"), gate, (f, d), T, T, experts=e),
+                Tensor(("mlp", "wi_up"), up, (f, d), T, T, experts=e),
+                Tensor(("mlp", "wo"), down, (d, f), T, T, experts=e)]
 
 
 class MoEBlock(nn.Module):
@@ -109,7 +127,7 @@ class MoEBlock(nn.Module):
         if mo.expert.bias:  # each expert's gate and up biases go into the grouped matmuls
             biases = (bias(self, "bi_gate", (e, f), ("experts", "moe_mlp")),
                       bias(self, "bi_up", (e, f), ("experts", "moe_mlp")))
-        cap = capacity(mo, x_BxLxD.shape[1]) if mo.capacity_factor > 0 else None
+        cap = capacity(mo, a.capacity_factor, x_BxLxD.shape[1]) if a.capacity_factor > 0 else None
         weights_BxLxK = weights_BxLxK.astype(a.dtype)
         y_BxLxD = a.plan.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, (gate_ExDxF, up_ExDxF, down_ExFxD), cap,
                                     biases, functools.partial(activate, mlp=mo.expert))
@@ -157,12 +175,13 @@ class MoEBlock(nn.Module):
         self.sow("intermediates", "expert_load", counts_E / (tokens * k))
         self.sow("intermediates", "lb_loss", e * jnp.sum(counts_E / tokens * jnp.mean(probs_BxLxE, axis=(0, 1))))
         self.sow("intermediates", "z_loss", jnp.mean(jnp.square(jax.nn.logsumexp(logits_BxLxE, axis=-1))))
-        if mo.capacity_factor > 0:
+        if a.capacity_factor > 0:
             length, places = x_BxLxD.shape[1], a.plan.positions_order(x_BxLxD.shape[1])
+            cap = capacity(mo, a.capacity_factor, length)
             if places is not None:  # "first" by position: the batch is in zigzag order
-                keep_BxLxK = within_capacity(experts_BxLxK[:, np.argsort(places)], e, capacity(mo, length))[:, places]
+                keep_BxLxK = within_capacity(experts_BxLxK[:, np.argsort(places)], e, cap)[:, places]
             else:
-                keep_BxLxK = within_capacity(experts_BxLxK, e, capacity(mo, length))
+                keep_BxLxK = within_capacity(experts_BxLxK, e, cap)
             self.sow("intermediates", "dropped", 1.0 - jnp.mean(keep_BxLxK.astype(jnp.float32)))
             experts_BxLxK = jnp.where(keep_BxLxK, experts_BxLxK, e)
         return weights_BxLxK, experts_BxLxK
@@ -183,9 +202,9 @@ def limit_to_groups(choose_BxLxE, groups: int, top_groups: int, best_two: bool):
     return jnp.where(keep_BxLxG[..., None], grouped_BxLxGxP, -jnp.inf).reshape(choose_BxLxE.shape)
 
 
-def capacity(mo: MoE, length: int) -> int:
-    """Assignments each expert takes from one sequence: capacity_factor x its fair share, rounded up."""
-    return math.ceil(mo.capacity_factor * length * mo.experts_per_token / mo.num_experts)
+def capacity(mo: MoE, factor: float, length: int) -> int:
+    """Assignments each expert takes from one sequence: `factor` (capacity_factor) x its fair share, rounded up."""
+    return math.ceil(factor * length * mo.experts_per_token / mo.num_experts)
 
 
 def within_capacity(experts_BxLxK, num_experts: int, cap: int):

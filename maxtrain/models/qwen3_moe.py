@@ -5,8 +5,8 @@ down_proj."""
 from __future__ import annotations
 
 from maxtrain.runtime.errors import ConvertError
-from maxtrain.models.moe import moe_width
-from maxtrain.models import decoder_spec, hf, hf_tensors
+from maxtrain.models.moe import MoE, moe_width
+from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 
 
@@ -50,9 +50,9 @@ HF = HFMapping(
                "decoder_sparse_step": 1, "mlp_only_layers": []})},
     keys=_keys,
     config=_config,
-    mlp_tensors=lambda m, fused: hf_tensors.expert_tensors(
-        m, fused, "mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-        "mlp.experts.{e}.down_proj.weight"),
+    mlp_tensors=lambda m, fused: MoE.from_config(m).hf_tensors(
+        m["base_emb_dim"], fused, "mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+        "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
     sliding_window=_sliding_window,
 )
 

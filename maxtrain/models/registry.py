@@ -44,9 +44,9 @@ class HFMapping:
     keys: Callable[[dict, str], dict[str, Any]]
     # config.json keys for model keys `m` exported as `kind`, beyond the shared ones; `hf` as written so far
     config: Callable[[Keys, str, dict], dict[str, Any]]
-    # an MoE layer's MLP tensors: (m, fused_experts) -> [hf_tensors.Tensor] (a dense layer's: hf_tensors.swiglu_tensors)
+    # an MoE layer's MLP tensors: (m, fused_experts) -> [hf_layout.Tensor] (a dense layer's: GatedMLP.hf_tensors)
     mlp_tensors: Callable[[Keys, bool], list] | None = None
-    # a layer's attention tensors: (m, the config.json imported from or None) -> [Tensor]; default hf_tensors.gqa_tensors
+    # a layer's attention tensors: (m, the config.json imported from or None) -> [Tensor]; default GQA.hf_tensors
     attention_tensors: Callable[[Keys, dict | None], list] | None = None
     # a multi-token prediction depth's own tensors, beside its layer's (m -> [Tensor]), where the HF layout has
     # depths (as layers after the model's), and the config.json key that counts them

@@ -79,7 +79,7 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
         total = total + tokens * (moe_weights[0] * lb + moe_weights[1] * z)
         aux |= {"moe_lb_loss": lb * tokens, "moe_z_loss": z * tokens,
                 "moe_load": jax.tree.map(lambda x: x * tokens, layers)}
-        if model.args.moe.capacity_factor > 0:
+        if model.args.capacity_factor > 0:
             aux["moe_dropped"] = jnp.mean(moe.collect(layers, "dropped")) * tokens
     return total * scale, aux
 
