@@ -12,9 +12,7 @@ from maxtrain.config.keys import MODEL_KEYS
 from maxtrain.models import registry
 from maxtrain.parallel import remat
 from maxtrain.models.args import ModelArgs, attention_of
-from maxtrain.models.layers import GatedMLP, Norm
-from maxtrain.models.mla import MLA
-from maxtrain.models.moe import MoE
+from maxtrain.models.parts import MLA, GatedMLP, MoE, Norm
 from maxtrain.models.decoder import Decoder, stack_layers, unstack_layers
 from maxtrain.models.layers import matmul
 

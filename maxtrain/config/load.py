@@ -22,7 +22,7 @@ from maxtrain.config.keys import (DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, PRESET_
                                   ConfigError)
 from maxtrain.config.validate import validate
 from maxtrain.models import registry
-from maxtrain.models.moe import moe_width
+from maxtrain.models.parts import moe_width
 from maxtrain.runtime.base_yml import BASE_YML
 
 CONFIG_DIR = BASE_YML.parent  # the shipped configs: base.yml, the presets in models/, examples

@@ -9,10 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from maxtrain.models import quantization, stacks as stacks_lib
-from maxtrain.models.attention import GQA
-from maxtrain.models.layers import GatedMLP, Norm
-from maxtrain.models.mla import MLA
-from maxtrain.models.moe import MoE
+from maxtrain.models.parts import GQA, MLA, GatedMLP, MoE, Norm
 from maxtrain.models.rope import Rope
 from maxtrain.parallel.plan import Plan
 

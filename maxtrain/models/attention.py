@@ -9,94 +9,17 @@ K head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.parallel import remat
-from maxtrain.models.hf_layout import Tensor, same
+from maxtrain.models.args import ModelArgs
 from maxtrain.models.layers import RMSNorm, bias, dense_weight
 from maxtrain.models.rope import rope
 from maxtrain.ops.attention import Variant
 from maxtrain.parallel.rules import constrain
-
-if TYPE_CHECKING:
-    from maxtrain.models.args import ModelArgs
-
-
-@dataclasses.dataclass(frozen=True)
-class GQA:
-    """Grouped-query attention: `heads` query heads sharing `kv_heads` key/value heads of `head_dim`."""
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scale: float  # the scores' scale: (query_pre_attn_scalar, or head_dim) ** -0.5
-    qkv_bias: bool = False  # Qwen2, gpt-oss
-    out_bias: bool = False  # gpt-oss
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
-    sinks: bool = False  # a learned logit per head in the softmax's denominator (gpt-oss)
-    softcap: float = 0.0  # scores -> cap x tanh(scores / cap) (Gemma 2); 0 = none
-
-    @classmethod
-    def from_config(cls, c) -> "GQA":
-        return cls(c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"],
-                   (c["query_pre_attn_scalar"] or c["head_dim"]) ** -0.5, c["qkv_bias"], c["attention_out_bias"],
-                   c["use_qk_norm"], c["attention_sinks"], c["attn_logit_softcapping"])
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.head_dim
-
-    def params(self, embed: int) -> int:
-        h, n, k = self.heads, self.kv_heads, self.head_dim
-        return (embed * k * (2 * h + 2 * n) + (k * (h + 2 * n) if self.qkv_bias else 0) + (2 * k if self.qk_norm else 0)
-                + (h if self.sinks else 0) + (embed if self.out_bias else 0))
-
-    def projection_flops(self, embed: int) -> float:
-        """Matmul FLOPs per token of the q/k/v and output projections."""
-        return 2 * embed * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-
-    def cache_layout(self) -> tuple[int, int, int]:
-        """A decoding cache's (rows per sequence, key width, value width): the kv heads."""
-        return self.kv_heads, self.head_dim, self.head_dim
-
-    def hf_tensors(self, embed: int) -> list[Tensor]:
-        """HF's self_attn projections, and its q/k norms, biases and sinks where the model has them."""
-        d, h, n, k = embed, self.heads, self.kv_heads, self.head_dim
-
-        def heads_out(count):  # [count*K, D] <-> [D, count, K]
-            return (lambda x: x.T.reshape(d, count, k)), (lambda w: w.reshape(d, count * k).T)
-
-        def bias(count):  # [count*K] <-> [count, K]
-            return (lambda x: x.reshape(count, k)), (lambda w: w.reshape(count * k))
-
-        tensors = [
-            Tensor(("attention", "wq"), "self_attn.q_proj.weight", (h * k, d), *heads_out(h)),
-            Tensor(("attention", "wk"), "self_attn.k_proj.weight", (n * k, d), *heads_out(n)),
-            Tensor(("attention", "wv"), "self_attn.v_proj.weight", (n * k, d), *heads_out(n)),
-            Tensor(("attention", "wo"), "self_attn.o_proj.weight", (d, h * k),
-                   lambda x: x.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T),
-        ]
-        if self.qk_norm:
-            tensors += [Tensor(("attention", "q_norm", "scale"), "self_attn.q_norm.weight", (k,), same, same),
-                        Tensor(("attention", "k_norm", "scale"), "self_attn.k_norm.weight", (k,), same, same)]
-        if self.qkv_bias:
-            tensors += [Tensor(("attention", "bq"), "self_attn.q_proj.bias", (h * k,), *bias(h)),
-                        Tensor(("attention", "bk"), "self_attn.k_proj.bias", (n * k,), *bias(n)),
-                        Tensor(("attention", "bv"), "self_attn.v_proj.bias", (n * k,), *bias(n))]
-        if self.out_bias:
-            tensors.append(Tensor(("attention", "bo"), "self_attn.o_proj.bias", (d,), same, same))
-        if self.sinks:
-            tensors.append(Tensor(("attention", "sinks"), "self_attn.sinks", (h,), same, same))
-        return tensors
 
 
 class Attention(nn.Module):

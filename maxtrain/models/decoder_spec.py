@@ -12,8 +12,7 @@ from typing import Any
 from maxtrain.models.args import ModelArgs, attention_of
 from maxtrain.models.decoder import Decoder
 from maxtrain.models import stacks as stacks_lib
-from maxtrain.models.layers import GatedMLP
-from maxtrain.models.moe import MoE
+from maxtrain.models.parts import GatedMLP, MoE
 from maxtrain.models.registry import Keys
 
 # Norm scales, attention biases and the MoE balancing bias take no weight decay; the balancing bias is

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.models.moe import MoE, moe_width
+from maxtrain.models.parts import MoE, moe_width
 from maxtrain.models.hf_layout import Tensor, same, transposed
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register

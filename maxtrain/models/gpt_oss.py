@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.models.moe import moe_width
+from maxtrain.models.parts import moe_width
 from maxtrain.models.hf_layout import Tensor
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.layers import SWIGLU_ALPHA

@@ -26,7 +26,7 @@ import numpy as np
 
 from maxtrain.models.args import attention_of, padded_vocab
 from maxtrain.models.hf_layout import Tensor, layer_name, same
-from maxtrain.models.layers import GatedMLP
+from maxtrain.models.parts import GatedMLP
 from maxtrain.models import registry, stacks as stacks_lib
 from maxtrain.models.registry import Keys
 

@@ -1,6 +1,5 @@
-"""The decoder's building blocks: projections, RMSNorm and the gated MLP (RoPE: maxtrain.models.rope).
-RMSNorm and the MLP are parts: a spec (`Norm`, `GatedMLP`) that holds what the family chose and owns
-the counts, beside the module that runs it.
+"""The decoder's building blocks: projections, RMSNorm and the gated MLP (RoPE: maxtrain.models.rope); their
+specs, Norm and GatedMLP, are maxtrain.models.parts'.
 
 Shape suffixes: B batch, L length, D embed, H query heads, N kv heads, G query heads per kv head,
 K head dim, F mlp, V vocab.
@@ -8,60 +7,15 @@ K head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.parallel import remat
-from maxtrain.models.hf_layout import Tensor, transposed
+from maxtrain.models.args import ModelArgs
+from maxtrain.models.parts import GatedMLP
 from maxtrain.parallel.rules import constrain
-
-if TYPE_CHECKING:
-    from maxtrain.models.args import ModelArgs
-
-
-@dataclasses.dataclass(frozen=True)
-class Norm:
-    """RMSNorm: x / rms(x) times a learned scale, or times (1 + scale) (Gemma)."""
-    eps: float
-    plus_one: bool = False
-
-    @classmethod
-    def from_config(cls, c) -> "Norm":
-        return cls(c["normalization_layer_epsilon"], c["rms_norm_plus_one"])
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedMLP:
-    """down(act(gate(x)) * up(x)) of width `width`: SwiGLU (silu), GeGLU (gelu_tanh) or gpt-oss's
-    clamped SwiGLU (clamped_swiglu, clamped at `limit`); with `bias`, each projection's bias."""
-    width: int
-    activation: str = "silu"
-    limit: float = 0.0
-    bias: bool = False
-
-    @classmethod
-    def from_config(cls, c, width: int | None = None) -> "GatedMLP":
-        return cls(c["base_mlp_dim"] if width is None else width, c["mlp_activation"], c["mlp_activation_limit"],
-                   c["mlp_bias"])
-
-    def params(self, embed: int) -> int:
-        return 3 * embed * self.width + (2 * self.width + embed if self.bias else 0)
-
-    def flops(self, embed: int) -> float:
-        """Matmul FLOPs per token."""
-        return 2 * 3 * embed * self.width
-
-    def hf_tensors(self, embed: int, path: tuple[str, ...] = ("mlp",), name: str = "mlp") -> list[Tensor]:
-        """HF's <name>.gate_proj, up_proj, down_proj, for the parameters under `path`."""
-        d, f, T = embed, self.width, transposed
-        return [Tensor((*path, "wi_gate"), f"{name}.gate_proj.weight", (f, d), T, T),
-                Tensor((*path, "wi_up"), f"{name}.up_proj.weight", (f, d), T, T),
-                Tensor((*path, "wo"), f"{name}.down_proj.weight", (d, f), T, T)]
 
 
 def dense_init(fan_in_axes: tuple[int, ...]):

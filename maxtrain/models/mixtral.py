@@ -5,7 +5,7 @@ w2 [D, F] (down); its experts are intermediate_size wide."""
 from __future__ import annotations
 
 from maxtrain.runtime.errors import ConvertError
-from maxtrain.models.moe import MoE, moe_width
+from maxtrain.models.parts import MoE, moe_width
 from maxtrain.models import decoder_spec, hf
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 

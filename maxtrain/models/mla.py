@@ -15,61 +15,18 @@ key width without RoPE, R with it (K = P + R), J a head's value width.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.parallel import remat
+from maxtrain.models.args import ModelArgs
 from maxtrain.models.layers import RMSNorm, dense_weight
-from maxtrain.models.rope import Rope, rope
+from maxtrain.models.rope import rope
 from maxtrain.ops.attention import Variant, against_latent_cache
 from maxtrain.parallel.rules import constrain
 
-if TYPE_CHECKING:
-    from maxtrain.models.args import ModelArgs
-
 LATENT_NORM_EPS = 1e-6  # DeepSeek's latent norms keep RMSNorm's default whatever rms_norm_eps says (as HF's)
-
-
-@dataclasses.dataclass(frozen=True)
-class MLA:
-    heads: int
-    q_lora_rank: int  # 0 = a full query projection
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    scale: float  # the scores' scale
-
-    @classmethod
-    def from_config(cls, c) -> "MLA":
-        """The scale: (query_pre_attn_scalar, or the q/k head width) ** -0.5; under yarn with HF's
-        mscale_all_dim, times m(mscale_all_dim) ** 2, as DeepSeek's attention."""
-        scale = (c["query_pre_attn_scalar"] or c["qk_nope_head_dim"] + c["qk_rope_head_dim"]) ** -0.5
-        if c["rope_yarn_mscale_all_dim"]:
-            scale *= Rope.from_config(c).yarn_scale(c["rope_yarn_mscale_all_dim"]) ** 2
-        return cls(c["base_num_query_heads"], c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"],
-                   c["qk_rope_head_dim"], c["v_head_dim"], scale)
-
-    @property
-    def qk_head_dim(self) -> int:
-        """A head's query and key width: the part without RoPE and the part with it."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def params(self, embed: int) -> int:
-        d, h, q, c, r = embed, self.heads, self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim
-        queries = d * q + q + q * h * self.qk_head_dim if q else d * h * self.qk_head_dim
-        return queries + d * (c + r) + c + c * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * d
-
-    def projection_flops(self, embed: int) -> float:
-        return 2 * (self.params(embed) - self.q_lora_rank - self.kv_lora_rank)  # the latent norms do no matmul
-
-    def cache_layout(self) -> tuple[int, int, int]:
-        """A decoding cache's (rows per sequence, key width, value width): the rotary key and the latent."""
-        return 1, self.qk_rope_head_dim, self.kv_lora_rank
 
 
 class MLAttention(nn.Module):

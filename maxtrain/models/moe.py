@@ -14,10 +14,8 @@ assignments, G experts on a device, F expert width, S rows a device sends to eac
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import flax.linen as nn
 from flax import traverse_util
@@ -27,77 +25,10 @@ import numpy as np
 
 from maxtrain.models import stacks as stacks_lib
 from maxtrain.parallel.axes import EXPERT_WEIGHT_AXES
-from maxtrain.models.hf_layout import Tensor, transposed
-from maxtrain.models.layers import MLP, GatedMLP, activate, bias, dense_weight
+from maxtrain.models.args import ModelArgs
+from maxtrain.models.layers import MLP, activate, bias, dense_weight
+from maxtrain.models.parts import MoE
 from maxtrain.parallel.rules import constrain
-
-if TYPE_CHECKING:
-    from maxtrain.models.args import ModelArgs
-
-
-def moe_width(m) -> int:
-    """Each expert's MLP width: base_moe_mlp_dim, where -1 means base_mlp_dim."""
-    return m["base_mlp_dim"] if m["base_moe_mlp_dim"] == -1 else m["base_moe_mlp_dim"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MoE:
-    num_experts: int
-    experts_per_token: int
-    expert: GatedMLP  # each routed expert; the shared experts are one such MLP of their joint width
-    shared_experts: int = 0  # always-on experts (DeepSeek, Qwen2-MoE)
-    first_dense_layers: int = 0  # the model's leading layers with a dense MLP instead
-    score_func: str = "softmax"  # softmax | sigmoid
-    norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
-    routed_bias: bool = False  # DeepSeek-V3's balancing bias: not trained, moved by the train step
-    scaling_factor: float = 1.0  # the routed experts' weights times this
-    logit_bias: bool = False  # gpt-oss: a trained bias on the router's logits
-    groups: int = 0  # group-limited routing: the experts' groups, and how many a token picks from; 0 = none
-    top_groups: int = 0
-
-    @classmethod
-    def from_config(cls, c) -> "MoE | None":
-        """None for a dense model (num_experts 1)."""
-        if c["num_experts"] == 1:
-            return None
-        return cls(c["num_experts"], c["num_experts_per_tok"], GatedMLP.from_config(c, moe_width(c)),
-                   c["shared_experts"], c["first_num_dense_layers"], c["routed_score_func"], c["norm_topk_prob"],
-                   c["routed_bias"], c["routed_scaling_factor"], c["router_logit_bias"], max(c["n_routing_groups"], 0),
-                   max(c["topk_routing_group"], 0))
-
-    @property
-    def shared(self) -> GatedMLP:
-        return dataclasses.replace(self.expert, width=self.shared_experts * self.expert.width)
-
-    def params(self, embed: int, active: bool = False) -> int:
-        """`active`: those a token uses (its top-k of the routed experts), and no balancing bias."""
-        e, routed = self.num_experts, self.experts_per_token if active else self.num_experts
-        shared = self.shared.params(embed) if self.shared_experts else 0
-        return (embed * e + routed * self.expert.params(embed) + shared + (e if self.routed_bias and not active else 0)
-                + (e if self.logit_bias else 0))
-
-    def flops(self, embed: int, active: bool = True) -> float:
-        """Matmul FLOPs per token: the router and the experts a token uses (with active=False, every one)."""
-        routed = self.experts_per_token if active else self.num_experts
-        return self.expert.flops(embed) * (routed + self.shared_experts) + 2 * embed * self.num_experts
-
-
-    def hf_tensors(self, embed: int, fused: bool, router: str, gate: str, up: str, down: str) -> list[Tensor]:
-        """The router and the experts: in the file layout under the family's names ("{e}" marks the expert),
-        or with `fused` in transformers 5's in-memory layout, which it also loads from files (import only)."""
-        d, e, f, T = embed, self.num_experts, self.expert.width, transposed
-        swap = lambda x: x.transpose(0, 2, 1)  # noqa: E731  [E, out, in] <-> [E, in, out]
-        if fused:
-            return [Tensor(("mlp", "router"), "mlp.gate.weight", (e, d), T, T),
-                    Tensor(("mlp", "wi_gate"), "mlp.experts.gate_up_proj", (e, 2 * f, d), lambda x: swap(x[:, :f]),
-                           None),
-                    Tensor(("mlp", "wi_up"), "mlp.experts.gate_up_proj", (e, 2 * f, d), lambda x: swap(x[:, f:]),
-                           None),
-                    Tensor(("mlp", "wo"), "mlp.experts.down_proj", (e, d, f), swap, None)]
-        return [Tensor(("mlp", "router"), router, (e, d), T, T),
-                Tensor(("mlp", "wi_gate"), gate, (f, d), T, T, experts=e),
-                Tensor(("mlp", "wi_up"), up, (f, d), T, T, experts=e),
-                Tensor(("mlp", "wo"), down, (d, f), T, T, experts=e)]
 
 
 class MoEBlock(nn.Module):
