@@ -42,7 +42,8 @@ def built_count(c) -> int:
     model = registry.spec_for(c).build(c)
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(shapes)))
-    padding = (model.args.padded_vocab - model.args.vocab) * model.args.embed * (1 if model.args.tied_embeddings else 2)
+    vocab = model.args.vocab
+    padding = (vocab.padded - vocab.size) * model.args.embed * (1 if vocab.tied else 2)
     return count - padding
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from maxtrain.models import quantization
 from maxtrain.config.keys import ConfigError
-from maxtrain.models.args import padded_vocab
+from maxtrain.models.parts import padded_vocab
 from maxtrain.parallel import rules
 
 

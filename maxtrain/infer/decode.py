@@ -126,8 +126,8 @@ class Engine:
         (hidden_BxLxD, out_DxV), cache = self.model.apply({"params": weights}, tokens_BxL, positions_BxL,
                                                           segment_ids_BxL, return_hidden=True, cache=cache)
         logits_BxV = output_logits(hidden_BxLxD[:, -1:], out_DxV, self.args.logits_dot_in_fp32,
-                                  self.args.final_softcap)[:, 0]
-        return logits_BxV[:, :self.args.vocab], cache  # not the padding
+                                  self.args.vocab.logit_softcap)[:, 0]
+        return logits_BxV[:, :self.args.vocab.size], cache  # not the padding
 
     def _first(self, weights, tokens_BxP, start_B, numbers_B, live_B, *, shape: Shape, sampling: Sampling,
                eos: int):

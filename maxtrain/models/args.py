@@ -9,26 +9,15 @@ from typing import Any
 import jax.numpy as jnp
 
 from maxtrain.models import quantization, stacks as stacks_lib
-from maxtrain.models.parts import GQA, MLA, GatedMLP, MoE, Norm
+from maxtrain.models.parts import GQA, MLA, GatedMLP, MoE, Norm, Vocabulary
 from maxtrain.models.rope import Rope
 from maxtrain.parallel.plan import Plan
-
-# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
-# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
-# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
-# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
-VOCAB_MULTIPLE = 128
-
-
-def padded_vocab(vocab: int) -> int:
-    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
     """The decoder: its width, depth and vocabulary, and the parts each layer is made of (each part's spec
     holds what the family chose for it, and counts its parameters and FLOPs)."""
-    vocab: int  # the true vocabulary; the parameters hold padded_vocab(vocab) entries
+    vocab: Vocabulary
     embed: int
     layers: int
     norm: Norm
@@ -41,9 +30,6 @@ class ModelArgs:
     global_interval: int  # with a window, every Nth layer is global; 0 = all slide
     post_attn_norm: bool  # sandwich norms: each block's output normalized before the residual (Gemma)
     post_ffw_norm: bool
-    scale_embedding: bool  # embeddings x sqrt(embed) (Gemma)
-    tied_embeddings: bool
-    final_softcap: float  # logits -> cap x tanh(logits / cap); 0 = none
     mtp_layers: int  # multi-token prediction depths (maxtrain.models.mtp); 0 = none
     dtype: Any
     weight_dtype: Any
@@ -56,13 +42,12 @@ class ModelArgs:
     @classmethod
     def from_config(cls, c) -> "ModelArgs":
         return cls(
-            vocab=c.vocab_size, embed=c.base_emb_dim, layers=c.base_num_decoder_layers, norm=Norm.from_config(c),
+            vocab=Vocabulary.from_config(c), embed=c.base_emb_dim, layers=c.base_num_decoder_layers, norm=Norm.from_config(c),
             attention=attention_of(c), mlp=GatedMLP.from_config(c), moe=MoE.from_config(c), rope=Rope.from_config(c),
             local_rope=Rope.from_config(c, None if c.local_rope_theta == -1 else c.local_rope_theta),
             window=c.sliding_window_size, global_interval=c.global_layer_interval,
             post_attn_norm=c.use_post_attn_norm, post_ffw_norm=c.use_post_ffw_norm,
-            scale_embedding=c.scale_embedding, tied_embeddings=c.logits_via_embedding,
-            final_softcap=c.final_logit_softcapping, mtp_layers=c.mtp_num_layers,
+            mtp_layers=c.mtp_num_layers,
             dtype=jnp.dtype(compute_dtype(c)), weight_dtype=jnp.dtype(c.weight_dtype), scan_layers=c.scan_layers,
             logits_dot_in_fp32=c.logits_dot_in_fp32, quantized_mlp="mlp" in quantization.targets(c),
             capacity_factor=c.capacity_factor,
@@ -80,10 +65,6 @@ class ModelArgs:
     def patterned(self) -> bool:
         """Some layers slide and some do not: a scanned stack tells each layer its index."""
         return self.window > 0 and self.global_interval > 0
-
-    @property
-    def padded_vocab(self) -> int:
-        return padded_vocab(self.vocab)
 
     def stacks(self) -> list[tuple[str, int, bool]]:
         """(name, layers, is MoE) of each layer stack (maxtrain.models.stacks names them)."""

@@ -67,11 +67,11 @@ class Decoder(nn.Module):
             segment_ids_BxL = jnp.ones_like(tokens_BxL)
 
         embed_init = nn.with_logical_partitioning(nn.initializers.normal(a.embed ** -0.5), ("vocab", "embed"))
-        embedding_VxD = self.param("embedding", embed_init, (a.padded_vocab, a.embed), a.weight_dtype)
+        embedding_VxD = self.param("embedding", embed_init, (a.vocab.padded, a.embed), a.weight_dtype)
 
         def embed(tokens_BxL):
             x_BxLxD = a.plan.embed(embedding_VxD, tokens_BxL, a.dtype)
-            return x_BxLxD * jnp.asarray(a.embed ** 0.5, a.dtype) if a.scale_embedding else x_BxLxD  # Gemma
+            return x_BxLxD * jnp.asarray(a.embed ** 0.5, a.dtype) if a.vocab.scale_input else x_BxLxD
         x_BxLxD = embed(tokens_BxL)
 
         layer = a.plan.remat(DecoderLayer, a.scan_layers)
@@ -113,15 +113,15 @@ class Decoder(nn.Module):
             depths_MxBxLxD = jnp.stack(normed)
 
         x_BxLxD = RMSNorm(a, name="final_norm")(x_BxLxD)
-        if a.tied_embeddings:
+        if a.vocab.tied:
             out_DxV = embedding_VxD.T
         else:
-            out_DxV = dense_weight(self, "output", (a.embed, a.padded_vocab), ("embed", "vocab"), stored_dtype=True)
+            out_DxV = dense_weight(self, "output", (a.embed, a.vocab.padded), ("embed", "vocab"), stored_dtype=True)
         if return_hidden:  # the output matrix padded: see mask_padding
             result = (x_BxLxD, out_DxV) + (() if mtp_tokens_MxBxL is None or depths_MxBxLxD is None
                                            else (depths_MxBxLxD,))
         else:
-            logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32, a.final_softcap)[..., :a.vocab]
+            logits_BxLxV = output_logits(x_BxLxD, out_DxV, a.logits_dot_in_fp32, a.vocab.logit_softcap)[..., :a.vocab.size]
             result = constrain(logits_BxLxV, ("batch", "length", "vocab"))
         return result if cache is None else (result, cache.written(layer_caches, tokens_BxL.shape[1]))
 

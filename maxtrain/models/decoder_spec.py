@@ -12,7 +12,7 @@ from typing import Any
 from maxtrain.models.args import ModelArgs, attention_of
 from maxtrain.models.decoder import Decoder
 from maxtrain.models import stacks as stacks_lib
-from maxtrain.models.parts import GatedMLP, MoE
+from maxtrain.models.parts import GatedMLP, MoE, Vocabulary
 from maxtrain.models.registry import Keys
 
 # Norm scales, attention biases and the MoE balancing bias take no weight decay; the balancing bias is
@@ -44,7 +44,7 @@ def count_params(m: Keys, active: bool = False) -> int:
     block = attention.params(d) + 2 * d + d * (m["use_post_attn_norm"] + m["use_post_ffw_norm"])
     dense_layers, moe_layers = _layer_counts(m)
     experts = moe.params(d, active) if moe_layers else 0
-    embeddings = m["vocab_size"] * d * (1 if m["logits_via_embedding"] else 2)
+    embeddings = Vocabulary.from_config(m).params(d)
     # each depth: its two input norms, the [2D, D] projection, a layer like the last, its output norm
     depth = 3 * d + 2 * d * d + block + (experts if moe_layers else mlp.params(d))
     return (dense_layers * (block + mlp.params(d)) + moe_layers * (block + experts) + embeddings + d

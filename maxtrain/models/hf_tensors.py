@@ -22,11 +22,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from maxtrain.models.args import attention_of, padded_vocab
+from maxtrain.models.args import attention_of
 from maxtrain.models.hf_layout import Tensor, layer_name, same
-from maxtrain.models.parts import GatedMLP
+from maxtrain.models.parts import GatedMLP, Vocabulary
 from maxtrain.models import registry, stacks as stacks_lib
 from maxtrain.models.registry import Keys
 
@@ -57,8 +55,7 @@ def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False,
     maxtrain model keys `m`; an MoE model's experts in the per-expert file layout, or with `fused_experts`
     in transformers' fused layout (import only). `joined` (export): without the parameters that another's
     tensor carries (Tensor.joins). `hf`: the config.json imported from (None: export's layout)."""
-    d, v = m["base_emb_dim"], m["vocab_size"]
-    spec = registry.spec_for(m)
+    d, spec = m["base_emb_dim"], registry.spec_for(m)
     attention = spec.hf.attention_tensors or (lambda m, hf: attention_of(m).hf_tensors(d))
     common = attention(m, hf)
     common.append(Tensor(("attention_norm", "scale"), "input_layernorm.weight", (d,), same, same))
@@ -80,11 +77,8 @@ def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False,
         inner = [dataclasses.replace(t, path=("layer", *t.path)) for t in layer(stacks[-1].moe)]
         groups.append(LayerTensors(stacks_lib.mtp(k), [m["base_num_decoder_layers"] + k - 1],
                                    inner + spec.hf.mtp_tensors(m), single=True))
-    rows, cut = _vocab_padding(v)
-    whole = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), rows, cut),
-             Tensor(("final_norm", "scale"), "model.norm.weight", (d,), same, same)]
-    if not m["logits_via_embedding"]:
-        whole.append(Tensor(("output",), "lm_head.weight", (v, d), lambda x: rows(x).T, lambda w: cut(w.T)))
+    whole = Vocabulary.from_config(m).hf_tensors(d)
+    whole.insert(1, Tensor(("final_norm", "scale"), "model.norm.weight", (d,), same, same))
     return whole, groups
 
 
@@ -107,11 +101,3 @@ def mtp_copies(m: Keys) -> dict[str, str]:
         return {}
     return {f"model.layers.{layers + k}.{name}": whole for k in range(m["mtp_num_layers"])
             for name, whole in spec.hf.mtp_copies.items()}
-
-
-def _vocab_padding(v: int):
-    """[V, D] -> maxtrain's [padded V, D] (zero rows: config.padded_vocab) and back to HF's true V."""
-    pad = padded_vocab(v) - v
-    if not pad:
-        return (lambda x: x), (lambda w: w)
-    return (lambda x: np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])), (lambda w: w[:v])

@@ -9,8 +9,52 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from maxtrain.models.hf_layout import Tensor, same, transposed
 from maxtrain.models.rope import Rope
+
+# The embedding and output matrices hold the vocabulary padded to a multiple of this (Megatron's default
+# make_vocab_size_divisible_by), so a tensor axis of up to 128 splits them evenly whatever the true size
+# (32001, 50257). A multiple that does not depend on the mesh keeps the checkpoint's shapes the same on
+# every mesh: a run resumes on another. The padded entries' logits are masked (loss) or cut (logits).
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """The model's two ends: the token embedding [padded V, D] and the output projection [D, padded V] (the
+    embedding's transpose where tied), and what a family does at each."""
+    size: int  # the true vocabulary; the matrices hold padded_vocab(size) entries
+    tied: bool = False
+    scale_input: bool = False  # embeddings x sqrt(embed) (Gemma)
+    logit_softcap: float = 0.0  # logits -> cap x tanh(logits / cap) (Gemma 2); 0 = none
+
+    @classmethod
+    def from_config(cls, c) -> "Vocabulary":
+        return cls(c["vocab_size"], c["logits_via_embedding"], c["scale_embedding"], c["final_logit_softcapping"])
+
+    @property
+    def padded(self) -> int:
+        return padded_vocab(self.size)
+
+    def params(self, embed: int) -> int:
+        """The padding left out: storage, not parameters."""
+        return self.size * embed * (1 if self.tied else 2)
+
+    def hf_tensors(self, embed: int) -> list[Tensor]:
+        """model.embed_tokens and (untied) lm_head: HF's true vocabulary, maxtrain's padded with zero rows."""
+        v, d, pad = self.size, embed, self.padded - self.size
+        rows = (lambda x: np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])) if pad else same
+        cut = (lambda w: w[:v]) if pad else same
+        tensors = [Tensor(("embedding",), "model.embed_tokens.weight", (v, d), rows, cut)]
+        if not self.tied:
+            tensors.append(Tensor(("output",), "lm_head.weight", (v, d), lambda x: rows(x).T, lambda w: cut(w.T)))
+        return tensors
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,8 +37,8 @@ def param_table(trainer, active: int | None = None) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    a = trainer.model.args  # the vocabulary's padding (config.VOCAB_MULTIPLE) is storage, not parameters
-    padding = (a.padded_vocab - a.vocab) * a.embed * (1 if a.tied_embeddings else 2)
+    a = trainer.model.args  # the vocabulary's padding (parts.VOCAB_MULTIPLE) is storage, not parameters
+    padding = (a.vocab.padded - a.vocab.size) * a.embed * (1 if a.vocab.tied else 2)
     total -= padding
     padded = f", plus {padding:,} entries of vocabulary padding" if padding else ""
     lines.append(f"total parameters: {total:,}{padded} ({total_bytes / 2**20:,.1f} MiB of parameters per device)"

@@ -61,7 +61,7 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
     x_BxLxD, out_DxV = outputs[:2]
     chunk = loss_chunk_size or x_BxLxD.shape[1]
     total, ce_sum = loss.cross_entropy_loss(x_BxLxD, out_DxV, batch["targets"], weights_BxL, chunk,
-                                            a.logits_dot_in_fp32, z_loss_multiplier, a.vocab, a.final_softcap)
+                                            a.logits_dot_in_fp32, z_loss_multiplier, a.vocab.size, a.vocab.logit_softcap)
     tokens = jnp.sum(weights_BxL)
     aux = {"loss_sum": ce_sum, "tokens": tokens}
     if depths:  # multi-token prediction: each depth's targets lie k further ahead
@@ -69,7 +69,8 @@ def loss_fn(params, model: Decoder, batch: dict, z_loss_multiplier: float = 0.0,
         for k, h_BxLxD in enumerate(outputs[2], 1):
             weights_k = batch[f"mtp_weights_{k}"].astype(jnp.float32)
             depth_total, depth_sum = loss.cross_entropy_loss(h_BxLxD, out_DxV, batch[f"mtp_targets_{k}"], weights_k,
-                                                             chunk, a.logits_dot_in_fp32, 0.0, a.vocab, a.final_softcap)
+                                                             chunk, a.logits_dot_in_fp32, 0.0, a.vocab.size,
+                                                             a.vocab.logit_softcap)
             total = total + mtp_factor / depths * depth_total
             mtp_sum, mtp_tokens = mtp_sum + depth_sum, mtp_tokens + jnp.sum(weights_k)
         aux |= {"mtp_loss_sum": mtp_sum, "mtp_tokens": mtp_tokens}
