@@ -72,7 +72,6 @@ class ModelArgs:
             self.layers, self.moe.num_experts if self.moe else 1, self.moe.first_dense_layers if self.moe else 0)]
 
 
-
 def attention_of(c) -> GQA | MLA:
     """The attention part the config names (attention_type)."""
     return MLA.from_config(c) if c["attention_type"] == "mla" else GQA.from_config(c)

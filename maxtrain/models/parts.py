@@ -252,7 +252,6 @@ class MoE:
         routed = self.experts_per_token if active else self.num_experts
         return self.expert.flops(embed) * (routed + self.shared_experts) + 2 * embed * self.num_experts
 
-
     def hf_tensors(self, embed: int, fused: bool, router: str, gate: str, up: str, down: str) -> list[Tensor]:
         """The router and the experts: in the file layout under the family's names ("{e}" marks the expert),
         or with `fused` in transformers 5's in-memory layout, which it also loads from files (import only)."""
