@@ -42,8 +42,9 @@ class ModelArgs:
     @classmethod
     def from_config(cls, c) -> "ModelArgs":
         return cls(
-            vocab=Vocabulary.from_config(c), embed=c.base_emb_dim, layers=c.base_num_decoder_layers, norm=Norm.from_config(c),
-            attention=attention_of(c), mlp=GatedMLP.from_config(c), moe=MoE.from_config(c), rope=Rope.from_config(c),
+            vocab=Vocabulary.from_config(c), embed=c.base_emb_dim, layers=c.base_num_decoder_layers,
+            norm=Norm.from_config(c), attention=attention_of(c), mlp=GatedMLP.from_config(c), moe=MoE.from_config(c),
+            rope=Rope.from_config(c),
             local_rope=Rope.from_config(c, None if c.local_rope_theta == -1 else c.local_rope_theta),
             window=c.sliding_window_size, global_interval=c.global_layer_interval,
             post_attn_norm=c.use_post_attn_norm, post_ffw_norm=c.use_post_ffw_norm,

@@ -29,7 +29,6 @@ from maxtrain.models import registry, stacks as stacks_lib
 from maxtrain.models.registry import Keys
 
 
-
 FUSED_EXPERTS_NAME = ".mlp.experts.gate_up_proj"  # the end of a name only the fused layout has (gpt-oss aside)
 
 
@@ -56,8 +55,7 @@ def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False,
     in transformers' fused layout (import only). `joined` (export): without the parameters that another's
     tensor carries (Tensor.joins). `hf`: the config.json imported from (None: export's layout)."""
     d, spec = m["base_emb_dim"], registry.spec_for(m)
-    attention = spec.hf.attention_tensors or (lambda m, hf: attention_of(m).hf_tensors(d))
-    common = attention(m, hf)
+    common = spec.hf.attention_tensors(m, hf) if spec.hf.attention_tensors else attention_of(m).hf_tensors(d)
     common.append(Tensor(("attention_norm", "scale"), "input_layernorm.weight", (d,), same, same))
     if m["use_post_attn_norm"]:  # Gemma's sandwich: post_attention_layernorm normalizes the attention's output
         common += [Tensor(("post_attention_norm", "scale"), "post_attention_layernorm.weight", (d,), same, same),
