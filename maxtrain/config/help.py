@@ -82,7 +82,8 @@ PRESETS_FLAG = "--list-presets"
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    """1.71B, 494M: three digits, in billions from 999.5M on (which .3g would print as 1e+03M)."""
+    return f"{n / 1e9:.3g}B" if n >= 0.9995e9 else f"{n / 1e6:.3g}M"
 
 
 def preset_lines() -> list[str]:
