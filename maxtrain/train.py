@@ -72,10 +72,13 @@ def train(c: config_lib.Config, devices=None) -> dict:
     samples = Samples(c, trainer) if c.sample_interval else None
     run_dir, created = run_dir_lib.make(c)
     say(run_record.start_lines(c, run_dir))
-    # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored.
+    # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored;
+    # the tracing before it stays on this thread (Trainer.lower_train_step says why).
     t_compile, compiler = time.perf_counter(), concurrent.futures.ThreadPoolExecutor(1)
+    with progress.heartbeat("tracing the train step"):
+        lowered = trainer.lower_train_step()
     say("compiling the train step (in the background while the state is made)")
-    compiling = compiler.submit(progress.timed, trainer.compile_train_step)
+    compiling = compiler.submit(progress.timed, trainer.compile_train_step, lowered)
     compiler.shutdown(wait=False)
     return TrainLoop(c, trainer, batches, evals, run_dir, created, compiling, t_compile, samples).run()
 

@@ -61,8 +61,8 @@ def test_the_loop_reads_each_step_metrics_after_queueing_the_next(train_tiny, mo
     events, step_of = [], {}
     compile_step, device_get = step_lib.Trainer.compile_train_step, jax.device_get
 
-    def logged_compile(self):
-        compiled = compile_step(self)
+    def logged_compile(self, lowered=None):
+        compiled = compile_step(self, lowered)
 
         def dispatch(state, batch):
             state, metrics = compiled(state, batch)
@@ -90,8 +90,8 @@ def test_the_cpu_peak_probe_runs_after_the_compile(train_tiny, monkeypatch):
     compiled, probe_saw_compiled = [], []
     compile_step, probe = step_lib.Trainer.compile_train_step, metrics.measure_cpu_peak_tflops
 
-    def tracked_compile(self):
-        result = compile_step(self)
+    def tracked_compile(self, lowered=None):
+        result = compile_step(self, lowered)
         compiled.append(True)
         return result
 
@@ -102,6 +102,28 @@ def test_the_cpu_peak_probe_runs_after_the_compile(train_tiny, monkeypatch):
     monkeypatch.setattr(metrics, "measure_cpu_peak_tflops", tracked_probe)
     train_tiny("peak_tflops_per_device=0", "steps=2", n_devices=1)
     assert probe_saw_compiled == [True]
+
+
+def test_the_step_is_traced_on_the_main_thread_and_compiled_beside_the_init(train_tiny, monkeypatch):
+    # Flax builds its lifted classes (nn.scan, nn.remat) while tracing; the init traced on the main
+    # thread beside a step traced on the compile thread raced on them (KeyError: 'name', seen in CI).
+    import threading
+    from maxtrain.training import step as step_lib
+    threads = {}
+    lower, compile_step = step_lib.Trainer.lower_train_step, step_lib.Trainer.compile_train_step
+
+    def tracked_lower(self):
+        threads["traced"] = threading.current_thread()
+        return lower(self)
+
+    def tracked_compile(self, lowered=None):
+        threads["compiled"], threads["given"] = threading.current_thread(), lowered is not None
+        return compile_step(self, lowered)
+    monkeypatch.setattr(step_lib.Trainer, "lower_train_step", tracked_lower)
+    monkeypatch.setattr(step_lib.Trainer, "compile_train_step", tracked_compile)
+    train_tiny("steps=1", n_devices=1)
+    assert threads["traced"] is threading.main_thread() and threads["given"]
+    assert threads["compiled"] is not threading.main_thread()
 
 
 @pytest.mark.slow

@@ -124,14 +124,21 @@ class Trainer:
         return {k: jax.ShapeDtypeStruct(self.global_batch_shape, dtype, sharding=self.batch_sharding)
                 for k, dtype in dtypes.items()}
 
-    def compile_train_step(self):
-        """`train_step` compiled ahead of time for the state and batch layout, without any data.
-
-        Safe on a thread: the loop runs it while the state is initialized, and calling the result
-        with anything of another shape or sharding is an error rather than a silent recompile.
-        """
+    def lower_train_step(self):
+        """`train_step` traced for the state and batch layout, without any data. On the main thread:
+        tracing builds Flax's lifted module classes (nn.scan, nn.remat), and two threads doing that at
+        once corrupt each other's dataclass fields (a KeyError: 'name' in flax's kw_only_dataclasses)."""
         with mesh_lib.activate(self.mesh, self.rules):
-            return self.train_step.lower(self.abstract_state, self.abstract_batch()).compile()
+            return self.train_step.lower(self.abstract_state, self.abstract_batch())
+
+    def compile_train_step(self, lowered=None):
+        """`train_step` compiled ahead of time (from `lowered`, else traced here).
+
+        Safe on a thread given `lowered`: the loop compiles while the state is initialized, and
+        calling the result with anything of another shape or sharding is an error rather than a
+        silent recompile.
+        """
+        return (lowered if lowered is not None else self.lower_train_step()).compile()
 
 
 def build(c: Config, mesh) -> Trainer:
