@@ -17,8 +17,9 @@ TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 def reference(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL=None, window=0, scale=None,
-              softcap=0.0, sinks_H=None):
-    """Dense softmax attention: all scores, the mask, and the sinks as one more column of the softmax."""
+              softcap=0.0, sinks_H=None, chunk=0):
+    """Dense softmax attention: all scores, the mask, and the sinks as one more column of the softmax.
+    `chunk`: a query at p sees the keys from chunk x floor(p / chunk) on (Llama 4)."""
     b, length, h, d = q_BxLxHxK.shape
     g = h // k_BxLxNxK.shape[2]
     k_BxLxHxK, v_BxLxHxK = jnp.repeat(k_BxLxNxK, g, axis=2), jnp.repeat(v_BxLxNxK, g, axis=2)
@@ -30,6 +31,8 @@ def reference(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL=No
     seen = (distance >= 0) & (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])
     if window:
         seen &= distance < window
+    if chunk:
+        seen &= positions[:, None, :] >= chunk * (positions[:, :, None] // chunk)
     scores = jnp.where(seen[:, None], scores, -jnp.inf)
     if sinks_H is not None:
         scores = jnp.concatenate([scores, jnp.broadcast_to(sinks_H[None, :, None, None], (b, h, length, 1))], -1)
@@ -92,6 +95,34 @@ def test_every_kernel_equals_the_dense_reference(kernel, sinks, variant):
     """Sequence 8W = 256 tokens, window W = 32 (blockwise: several blocks, each against its window's keys),
     packed documents, GQA (4 query heads on 2 kv heads); q and k spread so the soft cap bites."""
     assert_matches_reference(KERNELS[kernel], 256, VARIANTS[variant], with_sinks=sinks, spread=2.0)
+
+
+def document_positions(segments):
+    """Each token's position in its document (packed documents restart at 0)."""
+    segments = np.asarray(segments)
+    starts = np.maximum.accumulate(np.where(np.diff(segments, prepend=-1, axis=1) != 0, np.arange(
+        segments.shape[1])[None], 0), axis=1)
+    return jnp.asarray(np.arange(segments.shape[1])[None] - starts)
+
+
+@pytest.mark.parametrize("kernel,chunk,length", [(kernel, chunk, length) for kernel in KERNELS
+                                                 for chunk, length in ((32, 256), (24, 200), (7, 64))
+                                                 if kernel != "splash" or length % 128 == 0])  # splash: 128s
+def test_every_kernel_chunks_as_the_reference(kernel, chunk, length):
+    """Chunked attention (Llama 4) as every kernel runs it through the plan: the window = the chunk, and each
+    chunk of each packed document a segment of its own (chunks count from the document's start)."""
+    q, k, v, segments, sinks, cotangent = inputs(length, spread=2.0)
+    positions = document_positions(segments)
+    chunked = attention.chunk_segments(segments, positions, chunk)
+    variant = Variant(window=chunk, chunked=True, scale=0.21, softcap=3.0)
+    fn = KERNELS[kernel]
+    ours = jax.jit(lambda *a: value_and_grads(lambda q, k, v, s: fn(q, k, v, chunked, variant, s), *a))(
+        q, k, v, sinks, cotangent)
+    theirs = value_and_grads(lambda q, k, v, s: reference(q, k, v, segments, positions, 0, 0.21, 3.0, s, chunk),
+                             q, k, v, sinks, cotangent)
+    np.testing.assert_allclose(ours[0], theirs[0], **TOL)
+    for name, a, b in zip("qkvs", ours[1], theirs[1], strict=True):
+        np.testing.assert_allclose(a, b, **TOL, err_msg=f"d{name}")
 
 
 @pytest.mark.parametrize("window,block,length", [
@@ -188,20 +219,50 @@ def test_context_parallel_with_a_window_and_sinks(context_mesh, balanced, window
     np.testing.assert_allclose(grads[3], grads_r[3], **TOL, err_msg="dsinks")
 
 
+@pytest.mark.parametrize("chunk", [9, 40])
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "unbalanced"])
+def test_context_parallel_chunks_as_the_reference(context_mesh, balanced, chunk):
+    """The same mesh with chunks, through the plan's entry (as a Llama 4 layer calls it): a chunk of at most a
+    run + 1 takes its keys from the neighbour, a longer one gathers them all."""
+    from maxtrain.parallel.plan import Plan
+    length, shards = 128, 4
+    q, k, v, segments, sinks, cotangent = inputs(length)
+    positions = document_positions(segments)
+    variant = Variant(window=chunk, chunked=True, scale=0.3)
+    order = attention.zigzag_order(length, shards) if balanced else np.arange(length)
+    plan = Plan(attention="dot_product", mlp_chunk=0, moe_chunk=0, moe_grouped_matmul="blocked", remat_policy="none",
+                scan_unroll=1, context_load_balance=balanced)
+    mesh, rules = context_mesh
+
+    def ours(q, k, v, s):
+        return plan.attend(q, k, v, segments[:, order], positions[:, order], variant, s)
+    with mesh_lib.activate(mesh, rules):
+        out, grads = jax.jit(lambda *a: value_and_grads(ours, *a))(q[:, order], k[:, order], v[:, order], sinks,
+                                                                   cotangent[:, order])
+    back = np.argsort(order)
+    out_r, grads_r = value_and_grads(lambda q, k, v, s: reference(q, k, v, segments, positions, 0, 0.3, 0.0, s, chunk),
+                                     q, k, v, sinks, cotangent)
+    np.testing.assert_allclose(out[:, back], out_r, **TOL)
+    for name, a, b in zip("qkv", grads[:3], grads_r[:3]):
+        np.testing.assert_allclose(a[:, back], b, **TOL, err_msg=f"d{name}")
+
+
 # ---- decoding against the KV cache
 
 
-@pytest.mark.parametrize("window", [5, 0])
-def test_a_decode_step_against_the_cache(window):
+@pytest.mark.parametrize("window,chunked", [(5, False), (0, False), (5, True)])
+def test_a_decode_step_against_the_cache(window, chunked):
     """Single queries at several slots of a left-padded cache (row 1's sequence starts at slot 3), each
-    against the cache's slots: as the reference's output at that position."""
+    against the cache's slots: as the reference's output at that position (chunks count from the sequence's
+    first slot)."""
     slots, starts = 24, np.array([0, 3])
     q, k, v, _, sinks, _ = inputs(slots, documents=False)
     segments = jnp.asarray((np.arange(slots)[None] >= starts[:, None]).astype(np.int32))  # padding: its own
     positions = jnp.asarray(np.arange(slots)[None] - starts[:, None])
-    variant = Variant(window=window, scale=0.3, softcap=4.0)
+    variant = Variant(window=window, chunked=chunked, scale=0.3, softcap=4.0)
     rows = lambda x: x.transpose(0, 2, 1, 3).reshape(-1, slots, x.shape[-1])  # noqa: E731
-    expected = reference(q, k, v, segments, positions, window, 0.3, 4.0, sinks)
+    expected = reference(q, k, v, segments, positions, 0 if chunked else window, 0.3, 4.0, sinks,
+                         window if chunked else 0)
     for t in (3, 4, 9, 17, 23):
         cache = LayerCache(rows(k), rows(v), jnp.asarray(starts), jnp.asarray(t), prefill=False)
         out, _ = cache.attend(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], None, None, None, variant, sinks)

@@ -74,8 +74,9 @@ def validate(c: dict[str, Any]) -> None:
         raise ConfigError("rope_theta", "must be > 0")
     if c["rope_scaling_factor"] < 1:
         raise ConfigError("rope_scaling_factor", "must be >= 1 (1 = no scaling)")
-    if c["rope_scaling_factor"] > 1 and not 0 < c["rope_low_freq_factor"] < c["rope_high_freq_factor"]:
-        raise ConfigError("rope_high_freq_factor", "must exceed rope_low_freq_factor, which must be > 0")
+    if c["rope_scaling_factor"] > 1 and not 0 < c["rope_low_freq_factor"] <= c["rope_high_freq_factor"]:
+        raise ConfigError("rope_high_freq_factor", "must be at least rope_low_freq_factor, which must be > 0 (equal: "
+                          "no band between the scaled and the kept frequencies, as Llama 4 Scout's)")
     if c["rope_original_max_position_embeddings"] <= 0:
         raise ConfigError("rope_original_max_position_embeddings", "must be a positive integer")
     _validate_attention_variants(c)

@@ -92,7 +92,8 @@ class LayerCache:
             ctx_BxLxHxK = kernel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant, sinks_H)
         else:
             ctx_BxLxHxK = against_cache(q_BxLxHxK, written.keys_RxSxK, written.values_RxSxK,
-                                        self.mask(q_BxLxHxK.shape[1], variant.window), variant, sinks_H)
+                                        self.mask(q_BxLxHxK.shape[1], variant.window, variant.chunked), variant,
+                                        sinks_H)
         return ctx_BxLxHxK, written
 
     def write(self, k_BxLxNxK, v_BxLxNxK) -> "LayerCache":
@@ -101,9 +102,10 @@ class LayerCache:
         return self.replace(keys_RxSxK=_write(self.keys_RxSxK, k_BxLxNxK, at),
                             values_RxSxK=_write(self.values_RxSxK, v_BxLxNxK, at))
 
-    def mask(self, length: int, window: int = 0):
+    def mask(self, length: int, window: int = 0, chunked: bool = False):
         """[B, L, S]: the slots each of the call's `length` queries sees (after `write`): its sequence's, up
-        to its own, within the window, written."""
+        to its own, within the window (`chunked`: within its chunk, counted from the sequence's first slot),
+        written."""
         slots = self.keys_RxSxK.shape[1]
         query_slots_Lx1 = (self.index + jnp.arange(length))[:, None]
         slots_LxS = jnp.broadcast_to(jnp.arange(slots), (length, slots))
@@ -117,6 +119,10 @@ class LayerCache:
                       & written_LxS)
         if window:
             mask_BxLxS = mask_BxLxS & (slots_LxS > query_slots_Lx1 - window)[None]
+        if chunked:
+            start_Bx1x1 = self.start_B[:, None, None]
+            mask_BxLxS = mask_BxLxS & ((slots_LxS[None] - start_Bx1x1) // window
+                                       == (query_slots_Lx1[None] - start_Bx1x1) // window)
         return mask_BxLxS
 
 

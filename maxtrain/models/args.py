@@ -64,8 +64,9 @@ class ModelArgs:
 
     @property
     def patterned(self) -> bool:
-        """Some layers slide and some do not: a scanned stack tells each layer its index."""
-        return self.window > 0 and self.global_interval > 0
+        """Some layers slide and some do not (or the attention part says its layers differ): a scanned stack
+        tells each layer its index."""
+        return self.window > 0 and self.global_interval > 0 or self.attention.layered
 
     def stacks(self) -> list[tuple[str, int, bool]]:
         """(name, layers, is MoE) of each layer stack (maxtrain.models.stacks names them)."""

@@ -34,7 +34,8 @@ class DecoderLayer(nn.Module):
         """`layer`: the index of this layer in the model, where some layers slide and some do not."""
         a, axes = self.args, ("batch", "length", "embed")
         x_BxLxD = constrain(x_BxLxD, axes)
-        attention = MLAttention if a.mla else Attention  # DeepSeek's latent attention, or GQA
+        # DeepSeek's latent attention, or GQA; a family's own module where its part names one
+        attention = a.attention.module or (MLAttention if a.mla else Attention)
         h, cache = attention(a, name="attention")(RMSNorm(a, name="attention_norm")(x_BxLxD),
                                                   positions_BxL, segment_ids_BxL, layer, cache)
         if a.post_attn_norm:  # Gemma's sandwich norms: the block's output normalized before the residual

@@ -61,7 +61,7 @@ class MoEBlock(nn.Module):
         cap = capacity(mo, a.capacity_factor, x_BxLxD.shape[1]) if a.capacity_factor > 0 else None
         weights_BxLxK = weights_BxLxK.astype(a.dtype)
         y_BxLxD = a.plan.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, (gate_ExDxF, up_ExDxF, down_ExFxD), cap,
-                                    biases, functools.partial(activate, mlp=mo.expert))
+                                    biases, functools.partial(activate, mlp=mo.expert), mo.scale_input)
         if mo.expert.bias:  # the down bias, sum_k w_k bias[e_k], outside the experts' work: added once however the
             # experts' width splits; a dropped assignment (expert e) picks none. The [E, D] bias is made whole
             # on every device first, so its gradient is each device's own tokens summed, then one all-reduce:

@@ -8,6 +8,7 @@ a model's parts, and maxtrain.models.decoder_spec sums their counts over the lay
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -109,6 +110,8 @@ class GQA:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     sinks: bool = False  # a learned logit per head in the softmax's denominator (gpt-oss)
     softcap: float = 0.0  # scores -> cap x tanh(scores / cap) (Gemma 2); 0 = none
+    module: ClassVar[Any] = None  # a family's own attention module for it (llama4.py); None: models.attention's
+    layered: ClassVar[bool] = False  # its layers differ by their index (a scanned stack passes each its own)
 
     @classmethod
     def from_config(cls, c) -> "GQA":
@@ -177,6 +180,8 @@ class MLA:
     qk_rope_head_dim: int
     v_head_dim: int
     scale: float  # the scores' scale
+    module: ClassVar[Any] = None  # (as GQA's) None: models.mla's
+    layered: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, c) -> "MLA":
@@ -225,6 +230,7 @@ class MoE:
     logit_bias: bool = False  # gpt-oss: a trained bias on the router's logits
     groups: int = 0  # group-limited routing: the experts' groups, and how many a token picks from; 0 = none
     top_groups: int = 0
+    scale_input: bool = False  # the routing weights scale each expert's input, not its output (Llama 4's family)
 
     @classmethod
     def from_config(cls, c) -> "MoE | None":

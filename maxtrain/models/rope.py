@@ -50,9 +50,12 @@ class Rope:
             return freq_K2 / self.factor
         if self.kind == "yarn":
             return self._yarn(freq_K2, half)
-        blend = (self.original_length * freq_K2 / (2 * jnp.pi) - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor)
-        blend = jnp.clip(blend, 0.0, 1.0)
+        cycles_K2 = self.original_length * freq_K2 / (2 * jnp.pi)  # turns over the original context
+        if self.high_freq_factor == self.low_freq_factor:  # no band between the two (Llama 4 Scout: 1 and 1)
+            blend = (cycles_K2 > self.high_freq_factor).astype(jnp.float32)
+        else:
+            blend = jnp.clip((cycles_K2 - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor),
+                             0.0, 1.0)
         return (1 - blend) * freq_K2 / self.factor + blend * freq_K2
 
     def _yarn(self, freq_K2, half: int):

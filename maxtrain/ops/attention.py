@@ -42,12 +42,22 @@ class Variant:
     window: int = 0             # a query sees the keys at distance < window (itself included); 0 = all before it
     scale: float | None = None  # the scores' scale; None = head_dim ** -0.5
     softcap: float = 0.0        # scores -> softcap x tanh(scores / softcap) before the mask; 0 = none
+    # The window is a chunk (Llama 4): a query at position p sees the keys in [window x floor(p / window), p],
+    # a subset of its window. The kernels keep the window's key ranges and see the chunks as documents
+    # (chunk_segments, applied by maxtrain.parallel.plan.Plan.attend); a KV cache masks by position.
+    chunked: bool = False
 
     def scale_for(self, head_dim: int) -> float:
         return head_dim ** -0.5 if self.scale is None else self.scale
 
 
 PLAIN = Variant()
+
+
+def chunk_segments(segment_ids_BxL, positions_BxL, chunk: int):
+    """Segment ids under which each document's chunks of `chunk` positions are documents of their own.
+    Two chunks' parity tells them apart: a window of `chunk` never reaches further than the next one."""
+    return segment_ids_BxL * 2 + (positions_BxL // chunk) % 2
 
 
 def causal_document_mask(segment_ids_BxL, start: int = 0, stop: int | None = None, key_start: int = 0,

@@ -30,8 +30,9 @@ def silu_glu(gate, up):
 
 
 def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, matmul: str, chunk: int = 0,
-               policy: str = "none", biases=None, activation=silu_glu):
-    """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh by shard_map; with
+               policy: str = "none", biases=None, activation=silu_glu, scale_input: bool = False):
+    """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh by shard_map (with
+    `scale_input`, sum_k SwiGLU_{experts[k]}(weights[k] * x): Llama 4's routing); with
     `chunk`, that many positions at a time, each chunk rematerialized under `policy`. `biases`: the
     experts' gate and up biases [E, F] (gpt-oss), added per row by its expert; `activation(gate, up)`
     the hidden activation. The down projection's bias is the caller's: outside the experts' matmuls it
@@ -43,11 +44,11 @@ def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, 
         # the same computation for GSPMD to place
         return _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, *weights, biases, expert_axes=(),
                                  embed_axes=(), mlp_axes=(), cap=cap, matmul=matmul, chunk=chunk, policy=policy,
-                                 activation=activation)
+                                 activation=activation, scale_input=scale_input)
     expert_axes, embed_axes, mlp_axes = active_axes(EXPERT_WEIGHT_AXES)
     local = functools.partial(_local_expert_mlp, expert_axes=expert_axes, embed_axes=embed_axes,
                               mlp_axes=mlp_axes, cap=cap, matmul=matmul, chunk=chunk, policy=policy,
-                              activation=activation)
+                              activation=activation, scale_input=scale_input)
     tokens = PartitionSpec(batch_axes or None, length_axes or None)  # context parallelism: each its positions
     weight_spec = PartitionSpec(expert_axes or None, embed_axes or None, mlp_axes or None)
     down_spec = PartitionSpec(expert_axes or None, mlp_axes or None, embed_axes or None)
@@ -58,14 +59,14 @@ def expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, 
 
 
 def _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, gate_GxDxF, up_GxDxF, down_GxFxD, biases, *,
-                      expert_axes, embed_axes, mlp_axes, cap, matmul, chunk, policy, activation):
+                      expert_axes, embed_axes, mlp_axes, cap, matmul, chunk, policy, activation, scale_input):
     if embed_axes:  # fsdp: gather the experts' embed dimension (its transpose reduce-scatters the gradient)
         gate_GxDxF, up_GxDxF = (jax.lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (gate_GxDxF, up_GxDxF))
         down_GxFxD = jax.lax.all_gather(down_GxFxD, embed_axes, axis=2, tiled=True)
     weights = (gate_GxDxF, up_GxDxF, down_GxFxD)
     length = x_BxLxD.shape[1]
     run = functools.partial(_route_and_compute, weights=weights, biases=biases or (), expert_axes=expert_axes,
-                            cap=cap, matmul=matmul, activation=activation)
+                            cap=cap, matmul=matmul, activation=activation, scale_input=scale_input)
     if chunk <= 0 or length % chunk or length == chunk:
         y_BxLxD = run(x_BxLxD, experts_BxLxK, weights_BxLxK)
     else:  # long sequences: the [assignments, expert width] intermediates exist one chunk at a time
@@ -79,7 +80,7 @@ def _local_expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, gate_GxDxF, up_GxDx
 
 
 def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, biases, expert_axes, cap, matmul,
-                       activation):
+                       activation, scale_input=False):
     """This device's tokens through their experts: sorted by expert, exchanged (expert parallelism),
     multiplied, and summed back per token with the routing weights."""
     gate_GxDxF, up_GxDxF, down_GxFxD = weights
@@ -103,7 +104,11 @@ def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, biases
 
     peers = _size(expert_axes)
     order_A, inverse_A, sizes_E = sort_by_group(experts_A, local_experts * peers)
-    xs_AxD = permute_rows(jnp.repeat(x_TxD, k, axis=0), order_A, inverse_A)
+    x_AxD = jnp.repeat(x_TxD, k, axis=0)
+    if scale_input:  # each assignment's input times its weight; summed back unweighted (a dropped one: 0)
+        x_AxD = x_AxD * weights_BxLxK.reshape(-1, 1).astype(x_AxD.dtype)
+        weights_BxLxK = (experts_BxLxK < local_experts * peers).astype(weights_BxLxK.dtype)
+    xs_AxD = permute_rows(x_AxD, order_A, inverse_A)
     if peers == 1:
         ys_AxD = mlp(xs_AxD, sizes_E)
     else:

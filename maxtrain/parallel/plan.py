@@ -67,7 +67,11 @@ class Plan:
                variant: Variant = PLAIN, sinks_H=None):
         """Causal, same-document attention [B,L,H,K] by the planned kernel, as `variant` says (a window,
         a scale, a soft cap) and with `sinks_H` if any; under context parallelism (the sequence split over
-        devices) every kernel but splash gives way to context_parallel."""
+        devices) every kernel but splash gives way to context_parallel. A chunked window reaches every
+        kernel as the window plus each chunk a document of its own (positions count from each document's
+        start, so chunks do too)."""
+        if variant.chunked:
+            segment_ids_BxL = attention.chunk_segments(segment_ids_BxL, positions_BxL, variant.window)
         if self.attention == "splash":
             return context.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
                                   self.context_load_balance, variant, sinks_H)
@@ -80,10 +84,11 @@ class Plan:
         return embedding.lookup(embedding_VxD, tokens_BxL, dtype)
 
     def expert_mlp(self, x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap: int | None, biases=None,
-                   activation=experts.silu_glu):
-        """sum_k weights[k] * SwiGLU_{experts[k]}(x), the experts' work split over the mesh (maxtrain.parallel.experts)."""
+                   activation=experts.silu_glu, scale_input: bool = False):
+        """sum_k weights[k] * SwiGLU_{experts[k]}(x) (scale_input: SwiGLU_{experts[k]}(weights[k] * x)), the
+        experts' work split over the mesh (maxtrain.parallel.experts)."""
         return experts.expert_mlp(x_BxLxD, experts_BxLxK, weights_BxLxK, weights, cap, self.moe_grouped_matmul,
-                                  self.moe_chunk, self.remat_policy, biases, activation)
+                                  self.moe_chunk, self.remat_policy, biases, activation, scale_input)
 
     def mlp(self, fn: Callable, x_BxLxD):
         """fn(x) for a position-wise fn; with mlp_chunk, `mlp_chunk` of each device's positions at a time,
