@@ -105,6 +105,10 @@ def window_summary(c) -> str:
     if window:
         sliding = layers - (layers // every if every else 0)
         parts.append(f"window {window} on {sliding} of {layers} layers")
+    if c.nope_layer_interval:  # Llama 4
+        rope_layers = layers - layers // c.nope_layer_interval
+        chunks = f" in chunks of {c.chunk_attn_window_size}" if c.chunk_attn_window_size else ""
+        parts.append(f"RoPE{chunks} on {rope_layers} of {layers} layers, NoPE on the rest")
     parts += ["sinks"] * bool(c.attention_sinks) + ["soft cap"] * bool(c.attn_logit_softcapping)
     return f" ({', '.join(parts)})" if parts else ""
 

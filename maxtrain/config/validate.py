@@ -153,6 +153,32 @@ def _validate_attention_variants(c: dict[str, Any]) -> None:
                           "(ici/dcn_pipeline_parallelism=1)")
     if c["mlp_activation_limit"] <= 0:
         raise ConfigError("mlp_activation_limit", "must be > 0")
+    _validate_nope_layers(c)
+
+
+def _validate_nope_layers(c: dict[str, Any]) -> None:
+    """Llama 4's layers (maxtrain.models.llama4): RoPE layers that attend in chunks, NoPE ones that see all."""
+    for key in ("nope_layer_interval", "chunk_attn_window_size"):
+        if c[key] < 0:
+            raise ConfigError(key, f"must be >= 0, got {c[key]}")
+    if c["temperature_tuning_floor_scale"] <= 0:
+        raise ConfigError("temperature_tuning_floor_scale", "must be > 0")
+    if not c["nope_layer_interval"]:
+        for key in ("chunk_attn_window_size", "use_qk_l2_norm", "temperature_tuning"):
+            if c[key]:
+                raise ConfigError(key, "a Llama 4 setting: it needs nope_layer_interval > 0 (every Nth layer without "
+                                  "RoPE, as Llama 4's 4)")
+        return
+    if c["nope_layer_interval"] > c["base_num_decoder_layers"]:
+        raise ConfigError("nope_layer_interval", f"{c['nope_layer_interval']} exceeds base_num_decoder_layers="
+                          f"{c['base_num_decoder_layers']}: no layer would be NoPE")
+    for key, plain in (("sliding_window_size", 0), ("use_qk_norm", False), ("attention_type", "gqa")):
+        if c[key] != plain:
+            raise ConfigError(key, f"must be {plain} with nope_layer_interval (Llama 4's layers chunk their "
+                              f"attention and normalize q/k without weights: chunk_attn_window_size, use_qk_l2_norm)")
+    if c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
+        raise ConfigError("nope_layer_interval", "a pattern of NoPE and RoPE layers cannot be pipelined yet "
+                          "(ici/dcn_pipeline_parallelism=1)")
 
 
 # What multi-head latent attention does not do (yet): each of these keys must keep its plain value.
