@@ -225,7 +225,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
         for g in groups:
             if m["scan_layers"] and not g.single:
                 for t in g.tensors:
-                    stacked, joined = ckpt.read(g.name, *t.path), [ckpt.read(g.name, *path) for path in t.joins]
+                    stacked, joined = ckpt.read(*g.scanned, *t.path), [ckpt.read(*g.scanned, *path) for path in t.joins]
                     for j, i in enumerate(g.indices):
                         yield from split(t, i, stacked[j], [x[j] for x in joined])
             else:

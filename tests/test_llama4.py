@@ -60,16 +60,21 @@ def test_save_pretrained_layout():
     assert model.config.no_rope_layers == [1, 1, 1, 0]
 
 
-@pytest.mark.parametrize("scan,matmul,kernel", [(True, "blocked", "dot_product"), (False, "ragged_dot", "blockwise")])
-def test_imported_model_gives_hf_logits(tmp_path, scan, matmul, kernel):
-    _, c, trainer, params = imported(tmp_path, random_llama4(), f"scan_layers={scan}")
+@pytest.mark.parametrize("scan,matmul,kernel,step", [(True, "blocked", "dot_product", 1), (False, "ragged_dot", "blockwise", 1),
+                                                     (True, "blocked", "blockwise", 2), (False, "blocked", "dot_product", 2)],
+                         ids=["scanned", "unrolled", "interleaved-scanned", "interleaved-unrolled"])
+def test_imported_model_gives_hf_logits(tmp_path, scan, matmul, kernel, step):
+    """Every layer an MoE (Scout), or every 2nd with dense layers between (Maverick's interleave)."""
+    model = random_llama4(interleave_moe_layer_step=step)
+    _, c, trainer, params = imported(tmp_path, model, f"scan_layers={scan}")
     assert registry.spec_for(c).name == "llama4"
     assert (c.nope_layer_interval, c.chunk_attn_window_size, c.use_qk_l2_norm, c.temperature_tuning) == (
         4, 8, True, True)
     assert (c.base_mlp_dim, c.base_moe_mlp_dim, c.shared_experts, c.routed_score_func) == (48, 32, 1, "sigmoid")
+    assert c.interleave_moe_layer_step == step
     _, trainer, params = load_maxtrain(tmp_path / "mt" / "maxtrain.yml", f"moe_grouped_matmul={matmul}",
                                        f"attention={kernel}")
-    ours, ref = maxtrain_logits(trainer, params, TOKENS), hf_logits(random_llama4(), TOKENS)
+    ours, ref = maxtrain_logits(trainer, params, TOKENS), hf_logits(model, TOKENS)
     assert np.abs(ref).max() > 0.5
     assert np.abs(ours - ref).max() <= TOLERANCE
 
@@ -88,9 +93,10 @@ def test_the_chunks_the_temperature_the_l2_norm_and_the_input_scaling_each_matte
         assert np.abs(maxtrain_logits(changed, params, TOKENS) - ref).max() > 1e-2, change
 
 
-def test_export_is_bitwise_and_reloads_in_transformers(tmp_path):
-    model = random_llama4()
-    out, *_ = imported(tmp_path, model)
+@pytest.mark.parametrize("step,scan", [(1, True), (2, True), (2, False)])
+def test_export_is_bitwise_and_reloads_in_transformers(tmp_path, step, scan):
+    model = random_llama4(interleave_moe_layer_step=step)
+    out, *_ = imported(tmp_path, model, f"scan_layers={scan}")
     convert.maxtrain_to_hf(str(out), str(tmp_path / "back"))
     original, exported = load_torch(tmp_path / "hf" / "model.safetensors"), load_torch(
         tmp_path / "back" / "model.safetensors")
@@ -101,11 +107,13 @@ def test_export_is_bitwise_and_reloads_in_transformers(tmp_path):
     assert type(again) is Llama4ForCausalLM
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert written["no_rope_layers"] == [1, 1, 1, 0] and written["attention_chunk_size"] == 8
+    assert written["moe_layers"] == list(range(step - 1, 4, step))
     np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(model, TOKENS))
 
 
-def test_greedy_generation_matches_transformers(tmp_path):
-    model = random_llama4()
+@pytest.mark.parametrize("step", [1, 2])
+def test_greedy_generation_matches_transformers(tmp_path, step):
+    model = random_llama4(interleave_moe_layer_step=step)
     _, c, trainer, params = imported(tmp_path, model)
     prompt = [5, 17, 90, 3, 42]  # 37 positions in all: past four chunk boundaries
     ours = decode(c, trainer, params, [prompt], 32)[0]
@@ -128,8 +136,8 @@ def test_a_chunk_sees_its_own_keys_only():
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"moe_layers": [1, 3]}, "config.json: moe_layers [1, 3] is not supported yet (maxtrain's Llama 4 has every layer "
-                             "a mixture of experts, as Scout: interleave_moe_layer_step=1)"),
+    ({"moe_layers": [0, 3]}, "config.json: moe_layers [0, 3] is not supported (maxtrain's Llama 4 has every Nth layer "
+                             "a mixture of experts, N dividing num_hidden_layers: Scout 1, Maverick 2)"),
     ({"no_rope_layers": [1, 0, 1, 1]}, "config.json: no_rope_layers [1, 0, 1, 1] is not supported (maxtrain's "
                                        "Llama 4 has every Nth layer without RoPE)"),
 ])
@@ -165,12 +173,14 @@ def test_the_family_counts_its_parameters_as_its_model_and_transformers_do(tiny_
 # ---------------------------------------------------------------------------------------------
 # Training on every mesh
 
-LLAMA4_TINY = ("model_name=llama4-tiny", "chunk_attn_window_size=8", "temperature_tuning_floor_scale=4")
+LLAMA4_TINY = ("model_name=llama4-tiny", "chunk_attn_window_size=8", "temperature_tuning_floor_scale=4",
+               "interleave_moe_layer_step=2")
 
 
 @pytest.mark.slow
 def test_the_same_losses_on_every_mesh(train_tiny):
-    """5 steps of training, float32, sequences of 4 chunks: one device, expert 4 x fsdp 2, context 2 x fsdp 4."""
+    """5 steps of training, float32, sequences of 4 chunks, MoE and dense layers interleaved (a scanned step of
+    two layers): one device, expert 4 x fsdp 2, context 2 x fsdp 4."""
     runs = {"one": train_tiny(*LLAMA4_TINY, "per_device_batch_size=8", "run_name=one", n_devices=1)["losses"],
             "expert4xfsdp2": train_tiny(*LLAMA4_TINY, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
                                         "run_name=ef")["losses"],

@@ -28,7 +28,7 @@ MODEL_KEYS = (
     "use_post_attn_norm", "use_post_ffw_norm", "mlp_activation", "mlp_activation_limit", "mlp_bias",
     "router_logit_bias", "attention_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
     "v_head_dim", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "n_routing_groups", "topk_routing_group",
-    "mtp_num_layers", "nope_layer_interval", "chunk_attn_window_size", "use_qk_l2_norm", "temperature_tuning",
+    "mtp_num_layers", "interleave_moe_layer_step", "nope_layer_interval", "chunk_attn_window_size", "use_qk_l2_norm", "temperature_tuning",
     "temperature_tuning_scale", "temperature_tuning_floor_scale",
 )
 # Keys that name files or directories: each may be a local path or a URL (maxtrain.runtime.storage).

@@ -154,6 +154,27 @@ def _validate_attention_variants(c: dict[str, Any]) -> None:
     if c["mlp_activation_limit"] <= 0:
         raise ConfigError("mlp_activation_limit", "must be > 0")
     _validate_nope_layers(c)
+    _validate_interleave(c)
+
+
+def _validate_interleave(c: dict[str, Any]) -> None:
+    """MoE layers every Nth layer, dense ones between (maxtrain.models.stacks: a scanned step of N layers)."""
+    step = c["interleave_moe_layer_step"]
+    if step < 1:
+        raise ConfigError("interleave_moe_layer_step", f"must be >= 1, got {step}")
+    if step == 1:
+        return
+    if c["num_experts"] == 1:
+        raise ConfigError("interleave_moe_layer_step", "needs num_experts > 1 (it interleaves MoE and dense layers)")
+    if c["base_num_decoder_layers"] % step:
+        raise ConfigError("interleave_moe_layer_step", f"{step} must divide base_num_decoder_layers="
+                          f"{c['base_num_decoder_layers']} (the layers scan in steps of {step})")
+    for key in ("first_num_dense_layers", "mtp_num_layers"):
+        if c[key]:
+            raise ConfigError(key, f"must be 0 with interleave_moe_layer_step={step}")
+    if c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
+        raise ConfigError("interleave_moe_layer_step", "interleaved MoE and dense layers cannot be pipelined yet "
+                          "(ici/dcn_pipeline_parallelism=1)")
 
 
 def _validate_nope_layers(c: dict[str, Any]) -> None:

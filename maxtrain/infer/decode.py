@@ -99,7 +99,11 @@ class Engine:
                 out[path] = jax.device_put(x, target[path])
                 continue
             stack = stacks[path[0]]
-            paths = [(stacks_lib.unrolled(i), *path[1:]) for i in stack.layers]
+            if stack.period == 1:
+                paths = [(stacks_lib.unrolled(i), *path[1:]) for i in stack.layers]
+            else:  # an interleaved stack: path[1] is the position in the period
+                layers = dict((sub, layers) for sub, _, layers in stack.positions())[path[1]]
+                paths = [(stacks_lib.unrolled(i), *path[2:]) for i in layers]
             split = jax.jit(lambda x: tuple(x[i] for i in range(x.shape[0])),
                             out_shardings=tuple(target[p] for p in paths))
             out.update(zip(paths, split(x)))

@@ -68,10 +68,11 @@ class ModelArgs:
         tells each layer its index."""
         return self.window > 0 and self.global_interval > 0 or self.attention.layered
 
-    def stacks(self) -> list[tuple[str, int, bool]]:
-        """(name, layers, is MoE) of each layer stack (maxtrain.models.stacks names them)."""
-        return [(s.name, s.count, s.moe) for s in stacks_lib.stacks(
-            self.layers, self.moe.num_experts if self.moe else 1, self.moe.first_dense_layers if self.moe else 0)]
+    def stacks(self) -> list[stacks_lib.Stack]:
+        """The layer stacks (maxtrain.models.stacks names them)."""
+        if self.moe is None:
+            return stacks_lib.stacks(self.layers, 1, 0)
+        return stacks_lib.stacks(self.layers, self.moe.num_experts, self.moe.first_dense_layers, self.moe.interleave)
 
 
 def attention_of(c) -> GQA | MLA:

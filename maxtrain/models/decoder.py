@@ -11,6 +11,7 @@ N kv heads, G query heads per kv head, K head dim, F mlp, V vocab.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -48,6 +49,21 @@ class DecoderLayer(nn.Module):
         return constrain(x_BxLxD + h, axes), cache  # (carry, per-layer output) for nn.scan; cache: decoding
 
 
+class Period(nn.Module):
+    """`period` consecutive layers as one step of a scanned stack (maxtrain.models.stacks: MoE layers
+    interleaved with dense ones); the last of them MoE. `layer`: the first one's index, where needed."""
+    args: ModelArgs
+    layer_type: Any
+    period: int
+
+    @nn.compact
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, layer=None):
+        for j in range(self.period):
+            x_BxLxD, _ = self.layer_type(self.args, j == self.period - 1, name=stacks_lib.period_position(j))(
+                x_BxLxD, positions_BxL, segment_ids_BxL, None if layer is None else layer + j)
+        return x_BxLxD, None
+
+
 class Decoder(nn.Module):
     args: ModelArgs
 
@@ -77,14 +93,16 @@ class Decoder(nn.Module):
 
         layer = a.plan.remat(DecoderLayer, a.scan_layers)
         first, stacks, layer_caches = 0, a.stacks(), []
-        for index, (name, count, is_moe) in enumerate(stacks):
+        for index, s in enumerate(stacks):
+            name, count, is_moe, steps = s.name, s.count, s.moe, s.count // s.period
             pipelined = a.plan.pipelines(index, len(stacks))
             if a.scan_layers:  # intermediates: MoE layers record their load and auxiliary losses
                 # a patterned model's layers each get their index, scanned (attention picks its kind by it)
-                indices = (jnp.arange(first, first + count),) if a.patterned else ()
-                stack = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-                                in_axes=(nn.broadcast, nn.broadcast, *(0,) * len(indices)), length=count,
-                                unroll=a.plan.unroll(count),
+                indices = (jnp.arange(first, first + count, s.period),) if a.patterned else ()
+                step = layer if s.period == 1 else functools.partial(Period, layer_type=layer, period=s.period)
+                stack = nn.scan(step, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                                in_axes=(nn.broadcast, nn.broadcast, *(0,) * len(indices)), length=steps,
+                                unroll=a.plan.unroll(steps),
                                 metadata_params={nn.PARTITION_NAME: a.plan.layers_axis(pipelined)})
                 if pipelined and not self.is_initializing():  # the same parameters, run stage by stage
                     x_BxLxD, records = a.plan.pipeline(functools.partial(apply_layer, a, is_moe),
@@ -92,11 +110,13 @@ class Decoder(nn.Module):
                                                        segment_ids_BxL)
                     if records and self.is_mutable_collection("intermediates"):
                         self.put_variable("intermediates", name, records)
-                else:
+                elif s.period == 1:
                     x_BxLxD, _ = stack(a, is_moe, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL, *indices)
+                else:
+                    x_BxLxD, _ = stack(a, name=name)(x_BxLxD, positions_BxL, segment_ids_BxL, *indices)
             else:
                 for i in range(first, first + count):
-                    x_BxLxD, written = layer(a, is_moe, name=stacks_lib.unrolled(i))(
+                    x_BxLxD, written = layer(a, s.is_moe(i), name=stacks_lib.unrolled(i))(
                         x_BxLxD, positions_BxL, segment_ids_BxL, i, None if cache is None else cache.layer(i))
                     layer_caches.append(written)
             first += count
@@ -107,7 +127,7 @@ class Decoder(nn.Module):
                 mtp_tokens_MxBxL = jnp.broadcast_to(tokens_BxL, (a.mtp_layers, *tokens_BxL.shape))
             hidden_BxLxD, normed = x_BxLxD, []
             for k in range(1, a.mtp_layers + 1):
-                hidden_BxLxD, out_BxLxD = MTPDepth(a, a.plan.remat(DecoderLayer, False), stacks[-1][2], a.layers + k - 1,
+                hidden_BxLxD, out_BxLxD = MTPDepth(a, a.plan.remat(DecoderLayer, False), stacks[-1].moe, a.layers + k - 1,
                                                    name=stacks_lib.mtp(k))(
                     hidden_BxLxD, embed(mtp_tokens_MxBxL[k - 1]), positions_BxL, segment_ids_BxL)
                 normed.append(out_BxLxD)
@@ -155,20 +175,20 @@ def mask_padding(logits_BxLxV, vocab: int):
 
 def unstack_layers(params: dict, args: ModelArgs) -> dict:
     """Scanned params ({'layers': stacked}, or an MoE model's stacks) -> unrolled ({'layers_0': ...})."""
-    params, first = dict(params), 0
-    for name, count, _ in args.stacks():
-        stacked = params.pop(name)
-        for i in range(count):
-            params[stacks_lib.unrolled(first + i)] = jax.tree.map(lambda x, i=i: x[i], stacked)
-        first += count
+    params = dict(params)
+    for s in args.stacks():
+        stacked = params.pop(s.name)
+        for sub, _, layers in s.positions():
+            for t, i in enumerate(layers):
+                params[stacks_lib.unrolled(i)] = jax.tree.map(lambda x, t=t: x[t], stacked[sub] if sub else stacked)
     return params
 
 
 def stack_layers(params: dict, args: ModelArgs) -> dict:
-    """Unrolled layout -> scanned layout: each stack with a leading `layers` axis."""
-    params, first = dict(params), 0
-    for name, count, _ in args.stacks():
-        layers = [params.pop(stacks_lib.unrolled(i)) for i in range(first, first + count)]
-        params[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        first += count
+    """Unrolled layout -> scanned layout: each stack (each position of its period) with a leading `layers` axis."""
+    params = dict(params)
+    for s in args.stacks():
+        subtrees = {sub: jax.tree.map(lambda *xs: jnp.stack(xs), *[params.pop(stacks_lib.unrolled(i)) for i in layers])
+                    for sub, _, layers in s.positions()}
+        params[s.name] = subtrees[""] if "" in subtrees else subtrees
     return params

@@ -31,8 +31,8 @@ def build(c) -> Decoder:
 
 def _layer_counts(m: Keys) -> tuple[int, int]:
     """(dense layers, MoE layers)."""
-    dense = sum(s.count for s in stacks_lib.for_keys(m) if not s.moe)
-    return dense, m["base_num_decoder_layers"] - dense
+    moe = sum(s.moe_layers for s in stacks_lib.for_keys(m))
+    return m["base_num_decoder_layers"] - moe, moe
 
 
 def count_params(m: Keys, active: bool = False) -> int:
@@ -85,10 +85,12 @@ def quantization_paths(c) -> dict[str, str]:
     pipelined = c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1
     dense: list[str] = []
     for s in stacks:
-        if not s.moe:
+        for sub, moe, layers in s.positions():
+            if moe:
+                continue
             # pipelined: rooted at the layer in training, the stack's path in generate (which runs it in order)
-            prefix = f"(?:{s.name}/)?" if pipelined and s is stacks[-1] else f"{s.name}/"
-            dense += [prefix] if c["scan_layers"] else [f"{stacks_lib.unrolled(i)}/" for i in s.layers]
+            prefix = f"(?:{s.name}/)?" if pipelined and s is stacks[-1] else f"{s.name}/{sub}/" if sub else f"{s.name}/"
+            dense += [prefix] if c["scan_layers"] else [f"{stacks_lib.unrolled(i)}/" for i in layers]
     shared = [r"([^/]+/)?mlp/shared"] if c["num_experts"] > 1 else []
     paths["mlp"] = "|".join([f"{prefix}mlp" for prefix in dense] + shared)
     return paths

@@ -82,7 +82,7 @@ def layered_sliding_window(hf: dict[str, Any]) -> int | None:
 VARIANT_KEYS = ("sliding_window_size", "global_layer_interval", "local_rope_theta", "attention_sinks",
                 "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "attention_out_bias",
                 "scale_embedding", "rms_norm_plus_one", "use_post_attn_norm", "use_post_ffw_norm", "mlp_activation",
-                "mlp_bias", "router_logit_bias", "nope_layer_interval", "chunk_attn_window_size", "use_qk_l2_norm",
+                "mlp_bias", "router_logit_bias", "interleave_moe_layer_step", "nope_layer_interval", "chunk_attn_window_size", "use_qk_l2_norm",
                 "temperature_tuning")
 
 

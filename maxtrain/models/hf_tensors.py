@@ -40,11 +40,17 @@ class LayerTensors:
     indices: list[int]    # HF layer indices (model.layers.<i>.)
     tensors: list[Tensor]
     single: bool = False
+    position: str = ""    # an interleaved stack's: the subtree of these layers' position in its period
+
+    @property
+    def scanned(self) -> tuple[str, ...]:
+        """The path of these layers' stacked parameters when scanned (or the depth's module)."""
+        return (self.name, self.position) if self.position else (self.name,)
 
     def params_path(self, t: Tensor, scanned: bool, i: int | None = None) -> tuple[str, ...]:
         """Where `t` of layer `i` lives in maxtrain's tree (scanned: the stack's, with a leading layers axis)."""
         if self.single or scanned:
-            return (self.name, *t.path)
+            return (*self.scanned, *t.path)
         return (stacks_lib.unrolled(i), *t.path)
 
 
@@ -65,12 +71,13 @@ def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False,
     if m["use_post_ffw_norm"]:
         common.append(Tensor(("post_mlp_norm", "scale"), "post_feedforward_layernorm.weight", (d,), same, same))
 
-    def layer(moe: bool) -> list[Tensor]:  # a dense layer's MLP is the plain gated one, whatever the family
-        mlp = spec.hf.mlp_tensors(m, fused_experts) if moe else GatedMLP.from_config(m).hf_tensors(d)
+    def layer(moe: bool) -> list[Tensor]:  # a dense layer's MLP: the plain gated one, under the family's name
+        mlp = (spec.hf.mlp_tensors(m, fused_experts) if moe
+               else GatedMLP.from_config(m).hf_tensors(d, name=spec.hf.dense_mlp_name))
         return [t for t in common + mlp if t.to_hf] if joined else common + mlp
 
     stacks = spec.stacks(m)
-    groups = [LayerTensors(s.name, list(s.layers), layer(s.moe)) for s in stacks]
+    groups = [LayerTensors(s.name, layers, layer(moe), position=sub) for s in stacks for sub, moe, layers in s.positions()]
     for k in range(1, m["mtp_num_layers"] + 1):  # only a family whose HF layout has the depths gets here
         inner = [dataclasses.replace(t, path=("layer", *t.path)) for t in layer(stacks[-1].moe)]
         groups.append(LayerTensors(stacks_lib.mtp(k), [m["base_num_decoder_layers"] + k - 1],

@@ -2,12 +2,13 @@
 4) has no RoPE, sees every key before it and scales its queries up with the position (temperature_tuning);
 the others use RoPE, attend within chunks of chunk_attn_window_size positions (a query at p sees the keys from
 C x floor(p / C) to p: a window whose start snaps to the chunk, see maxtrain.ops.attention.Variant) and divide
-each head's q and k by their RMS, without weights (use_qk_l2_norm). Its MoE layers score the top-k experts by
-the sigmoid of their logits, unnormalised, and scale each expert's *input* by it; one shared expert as wide as
-a routed one runs on every token. HF: Llama4ForCausalLM (model_type llama4_text, transformers >= 4.51): RoPE
+each head's q and k by their RMS, without weights (use_qk_l2_norm). Its MoE layers (every layer, as Scout, or
+every Nth with dense ones between, as Maverick: interleave_moe_layer_step, maxtrain.models.stacks) score the
+top-k experts by the sigmoid of their logits, unnormalised, and scale each expert's *input* by it; one shared
+expert as wide as a routed one runs on every token. HF: Llama4ForCausalLM (model_type llama4_text, transformers >= 4.51): RoPE
 on interleaved pairs (q/k rows permuted per head to maxtrain's halves on import), feed_forward.router,
 fused experts feed_forward.experts.gate_up_proj [E, D, 2F] (gate columns first) and down_proj [E, F, D],
-feed_forward.shared_expert.
+feed_forward.shared_expert; a dense layer's feed_forward.{gate,up,down}_proj (intermediate_size_mlp wide).
 """
 
 from __future__ import annotations
@@ -183,24 +184,25 @@ def _keys(config: dict, kind: str) -> dict[str, Any]:
     step = config.get("interleave_moe_layer_step") or 1
     moe_layers = config.get("moe_layers")
     moe_layers = list(range(step - 1, layers, step)) if moe_layers is None else moe_layers
-    if moe_layers != list(range(layers)):
-        raise ConvertError(f"config.json: moe_layers {moe_layers!r} is not supported yet (maxtrain's Llama 4 has "
-                           f"every layer a mixture of experts, as Scout: interleave_moe_layer_step=1)")
+    every = moe_layers[0] + 1 if isinstance(moe_layers, list) and moe_layers and moe_layers[0] >= 0 else 0
+    if not every or layers % every or moe_layers != list(range(every - 1, layers, every)):
+        raise ConvertError(f"config.json: moe_layers {moe_layers!r} is not supported (maxtrain's Llama 4 has every "
+                           f"Nth layer a mixture of experts, N dividing num_hidden_layers: Scout 1, Maverick 2)")
     interval = config.get("no_rope_layer_interval") or 4
     no_rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
     if len(no_rope) != layers:
         raise ConvertError(f"config.json: no_rope_layers has {len(no_rope)} entries for {layers} layers")
-    every = _interval(no_rope)
+    nope_every = _interval(no_rope)
     chunk = hf.positive_int(config, "attention_chunk_size")
     types = config.get("layer_types")
     if types is not None and types != ["chunked_attention" if r else "full_attention" for r in no_rope]:
         raise ConvertError(f"config.json: layer_types {types!r} is not supported (maxtrain's Llama 4 chunks the "
                            f"RoPE layers' attention and not the NoPE ones')")
-    return hf.moe_keys(config, kind, "num_local_experts") | {
+    return hf.moe_keys(config, kind, "num_local_experts") | {"interleave_moe_layer_step": every,
         "base_mlp_dim": hf.positive_int(config, "intermediate_size_mlp"),
         "base_moe_mlp_dim": hf.positive_int(config, "intermediate_size"), "shared_experts": 1,
         "routed_score_func": "sigmoid", "norm_topk_prob": False, "use_qk_norm": False, "qkv_bias": False,
-        "nope_layer_interval": every, "chunk_attn_window_size": chunk, "use_qk_l2_norm": bool(config["use_qk_norm"]),
+        "nope_layer_interval": nope_every, "chunk_attn_window_size": chunk, "use_qk_l2_norm": bool(config["use_qk_norm"]),
         "temperature_tuning": bool(config["attn_temperature_tuning"]),
         "temperature_tuning_scale": hf.number(config, "attn_scale", 0.1),
         "temperature_tuning_floor_scale": hf.number(config, "floor_scale", 8192.0)}
@@ -214,7 +216,8 @@ ROUTING = {"shared_experts": 1, "routed_score_func": "sigmoid", "norm_topk_prob"
 
 def _hf_kind(m: Keys) -> str:
     if m["num_experts"] == 1:
-        raise ConvertError("num_experts=1: maxtrain's HF Llama 4 has every layer a mixture of experts (as Scout)")
+        raise ConvertError("num_experts=1: maxtrain's HF Llama 4 has mixtures of experts (every layer, as Scout, or "
+                           "every Nth: interleave_moe_layer_step)")
     for key, value in ROUTING.items():
         if m[key] != value and not (key.endswith("routing_group") and m[key] <= 0):
             raise ConvertError(f"{key}={m[key]!r}: Llama 4 has {value!r} (HF export needs it)")
@@ -225,12 +228,12 @@ def _hf_kind(m: Keys) -> str:
 
 
 def _config(m: Keys, kind: str, config: dict) -> dict[str, Any]:
-    layers, every = m["base_num_decoder_layers"], m["nope_layer_interval"]
+    layers, every, step = m["base_num_decoder_layers"], m["nope_layer_interval"], m["interleave_moe_layer_step"]
     no_rope = [int((i + 1) % every != 0) for i in range(layers)]
     return {"intermediate_size": moe_width(m), "intermediate_size_mlp": m["base_mlp_dim"],
             "num_local_experts": m["num_experts"], "num_experts_per_tok": m["num_experts_per_tok"],
-            "router_aux_loss_coef": m["load_balance_loss_weight"], "interleave_moe_layer_step": 1,
-            "moe_layers": list(range(layers)), "no_rope_layer_interval": every, "no_rope_layers": no_rope,
+            "router_aux_loss_coef": m["load_balance_loss_weight"], "interleave_moe_layer_step": step,
+            "moe_layers": list(range(step - 1, layers, step)), "no_rope_layer_interval": every, "no_rope_layers": no_rope,
             "layer_types": ["chunked_attention" if r else "full_attention" for r in no_rope],
             "attention_chunk_size": m["chunk_attn_window_size"], "use_qk_norm": m["use_qk_l2_norm"],
             "attn_temperature_tuning": m["temperature_tuning"], "attn_scale": m["temperature_tuning_scale"],
@@ -256,7 +259,9 @@ HF = HFMapping(
     mlp_tensors=_mlp_tensors,
     attention_tensors=_attention_tensors,
     sliding_window=lambda config: None,  # its chunks are read with the layer kinds (_keys)
-    expresses=("nope_layer_interval", "chunk_attn_window_size", "use_qk_l2_norm", "temperature_tuning"),
+    dense_mlp_name="feed_forward",
+    expresses=("interleave_moe_layer_step", "nope_layer_interval", "chunk_attn_window_size", "use_qk_l2_norm",
+               "temperature_tuning"),
 )
 
 SPEC = register(ModelSpec(name="llama4", matches=lambda m: m["nope_layer_interval"] > 0, hf_kind=_hf_kind, hf=HF,

@@ -231,6 +231,7 @@ class MoE:
     groups: int = 0  # group-limited routing: the experts' groups, and how many a token picks from; 0 = none
     top_groups: int = 0
     scale_input: bool = False  # the routing weights scale each expert's input, not its output (Llama 4's family)
+    interleave: int = 1  # every Nth layer an MoE, the others dense (Llama 4 Maverick: 2); 1 = each after the first
 
     @classmethod
     def from_config(cls, c) -> "MoE | None":
@@ -240,7 +241,7 @@ class MoE:
         return cls(c["num_experts"], c["num_experts_per_tok"], GatedMLP.from_config(c, moe_width(c)),
                    c["shared_experts"], c["first_num_dense_layers"], c["routed_score_func"], c["norm_topk_prob"],
                    c["routed_bias"], c["routed_scaling_factor"], c["router_logit_bias"], max(c["n_routing_groups"], 0),
-                   max(c["topk_routing_group"], 0))
+                   max(c["topk_routing_group"], 0), interleave=c["interleave_moe_layer_step"])
 
     @property
     def shared(self) -> GatedMLP:

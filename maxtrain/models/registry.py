@@ -46,6 +46,7 @@ class HFMapping:
     config: Callable[[Keys, str, dict], dict[str, Any]]
     # an MoE layer's MLP tensors: (m, fused_experts) -> [hf_layout.Tensor] (a dense layer's: GatedMLP.hf_tensors)
     mlp_tensors: Callable[[Keys, bool], list] | None = None
+    dense_mlp_name: str = "mlp"  # a dense layer's MLP in HF's names (<this>.gate_proj, ...)
     # a layer's attention tensors: (m, the config.json imported from or None) -> [Tensor]; default GQA.hf_tensors
     attention_tensors: Callable[[Keys, dict | None], list] | None = None
     # a multi-token prediction depth's own tensors, beside its layer's (m -> [Tensor]), where the HF layout has

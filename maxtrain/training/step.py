@@ -160,7 +160,8 @@ def build(c: Config, mesh) -> Trainer:
     param_shardings = rules_lib.param_shardings(param_specs, param_shapes, mesh, rules)
     notes = rules_lib.uneven_notes(param_specs, param_shapes, rules, dict(mesh.shape))
     if model.args.plan.schedule.active:
-        notes.insert(0, pipeline.placement(model.args.stacks(), model.args.plan.schedule))
+        notes.insert(0, pipeline.placement([(s.name, s.count, s.moe) for s in model.args.stacks()],
+                                           model.args.plan.schedule))
     abstract = jax.eval_shape(init_state, rng)
     replicated = rules_lib.replicated(mesh)
     # Optimizer moments are shaped like the params and sharded like them; counters are replicated.
@@ -212,7 +213,7 @@ def _layer_orders(model) -> tuple[Callable, Callable]:
     schedule = model.args.plan.schedule
     if schedule.repeats == 1:
         return _same, _same
-    name, count, _ = model.args.stacks()[-1]
+    name, count = model.args.stacks()[-1].name, model.args.stacks()[-1].count
     return (functools.partial(pipeline.to_storage_order, names={name}, layers=count, schedule=schedule),
             functools.partial(pipeline.to_model_order, names={name}, layers=count, schedule=schedule))
 
@@ -227,7 +228,7 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
     micro_sharding = NamedSharding(mesh, PartitionSpec(None, *batch_sharding.spec))
     pipelined = model.args.plan.schedule
     if pipelined.repeats > 1:  # the MoE stack's records come in the circular schedule's order: metrics by layer
-        count = model.args.stacks()[-1][1]
+        count = model.args.stacks()[-1].count
         back = np.argsort(pipeline.storage_order(count, pipelined.stages, pipelined.repeats))
         layer_order = lambda per_layer: per_layer[back]  # noqa: E731
     else:
