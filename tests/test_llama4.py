@@ -147,6 +147,20 @@ def test_unsupported_configs_are_refused_in_one_line(change, message):
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize("change,message", [
+    (("norm_topk_prob=true",), "norm_topk_prob=True: Llama 4 has False (HF export needs it)"),
+    (("shared_experts=2",), "shared_experts=2: Llama 4 has 1 (HF export needs it)"),
+    (("mlp_bias=true",), "mlp_bias=True: no HF model of this family (llama4_text) has it (HF export needs False)"),
+    (("chunk_attn_window_size=0",), "chunk_attn_window_size=0: HF's Llama 4 chunks its RoPE layers' attention "
+                                    "(export needs a chunk)"),
+])
+def test_export_refuses_what_llama4_cannot_express(change, message):
+    c = config_lib.load([str(config_lib.BASE_YML), "model_name=llama4-tiny", *change])
+    with pytest.raises(ConvertError) as e:
+        hf_format.hf_kind(c)
+    assert str(e.value) == message
+
+
 @pytest.mark.parametrize("change,key", [
     (("nope_layer_interval=0",), "chunk_attn_window_size"),
     (("use_qk_norm=true",), "use_qk_norm"),

@@ -33,6 +33,7 @@ from maxtrain.models.rope import rope
 from maxtrain.ops.attention import Variant
 from maxtrain.parallel import remat
 from maxtrain.parallel.rules import constrain
+from maxtrain.runtime import base_yml
 from maxtrain.runtime.errors import ConvertError
 
 HEADS, KV_HEADS = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim")
@@ -198,28 +199,26 @@ def _keys(config: dict, kind: str) -> dict[str, Any]:
     if types is not None and types != ["chunked_attention" if r else "full_attention" for r in no_rope]:
         raise ConvertError(f"config.json: layer_types {types!r} is not supported (maxtrain's Llama 4 chunks the "
                            f"RoPE layers' attention and not the NoPE ones')")
-    return hf.moe_keys(config, kind, "num_local_experts") | {"interleave_moe_layer_step": every,
-        "base_mlp_dim": hf.positive_int(config, "intermediate_size_mlp"),
-        "base_moe_mlp_dim": hf.positive_int(config, "intermediate_size"), "shared_experts": 1,
-        "routed_score_func": "sigmoid", "norm_topk_prob": False, "use_qk_norm": False, "qkv_bias": False,
-        "nope_layer_interval": nope_every, "chunk_attn_window_size": chunk, "use_qk_l2_norm": bool(config["use_qk_norm"]),
+    return hf.moe_keys(config, kind, "num_local_experts") | OWN | base_yml.defaults_of(PLAIN) | {
+        "interleave_moe_layer_step": every, "base_mlp_dim": hf.positive_int(config, "intermediate_size_mlp"),
+        "base_moe_mlp_dim": hf.positive_int(config, "intermediate_size"), "nope_layer_interval": nope_every, "chunk_attn_window_size": chunk, "use_qk_l2_norm": bool(config["use_qk_norm"]),
         "temperature_tuning": bool(config["attn_temperature_tuning"]),
         "temperature_tuning_scale": hf.number(config, "attn_scale", 0.1),
         "temperature_tuning_floor_scale": hf.number(config, "floor_scale", 8192.0)}
 
 
-# What Llama 4's MoE layers are: export refuses a model whose keys say otherwise.
-ROUTING = {"shared_experts": 1, "routed_score_func": "sigmoid", "norm_topk_prob": False, "first_num_dense_layers": 0,
-           "routed_bias": False, "routed_scaling_factor": 1.0, "n_routing_groups": -1, "topk_routing_group": -1,
-           "qkv_bias": False, "mlp_activation": "silu"}
+# What Llama 4's MoE layers are, and keys it has only at base.yml's values (export refuses any other).
+OWN = {"shared_experts": 1, "routed_score_func": "sigmoid"}
+PLAIN = ("norm_topk_prob", "first_num_dense_layers", "routed_bias", "routed_scaling_factor", "n_routing_groups",
+         "topk_routing_group", "use_qk_norm")
 
 
 def _hf_kind(m: Keys) -> str:
     if m["num_experts"] == 1:
         raise ConvertError("num_experts=1: maxtrain's HF Llama 4 has mixtures of experts (every layer, as Scout, or "
                            "every Nth: interleave_moe_layer_step)")
-    for key, value in ROUTING.items():
-        if m[key] != value and not (key.endswith("routing_group") and m[key] <= 0):
+    for key, value in {**OWN, **base_yml.defaults_of(PLAIN)}.items():
+        if m[key] != value:
             raise ConvertError(f"{key}={m[key]!r}: Llama 4 has {value!r} (HF export needs it)")
     if not m["chunk_attn_window_size"]:
         raise ConvertError("chunk_attn_window_size=0: HF's Llama 4 chunks its RoPE layers' attention (export needs "
