@@ -60,8 +60,9 @@ def test_save_pretrained_layout():
     assert model.config.no_rope_layers == [1, 1, 1, 0]
 
 
-@pytest.mark.parametrize("scan,matmul,kernel,step", [(True, "blocked", "dot_product", 1), (False, "ragged_dot", "blockwise", 1),
-                                                     (True, "blocked", "blockwise", 2), (False, "blocked", "dot_product", 2)],
+@pytest.mark.parametrize("scan,matmul,kernel,step", [
+    (True, "blocked", "dot_product", 1), (False, "ragged_dot", "blockwise", 1), (True, "blocked", "blockwise", 2),
+    (False, "blocked", "dot_product", 2)],
                          ids=["scanned", "unrolled", "interleaved-scanned", "interleaved-unrolled"])
 def test_imported_model_gives_hf_logits(tmp_path, scan, matmul, kernel, step):
     """Every layer an MoE (Scout), or every 2nd with dense layers between (Maverick's interleave)."""

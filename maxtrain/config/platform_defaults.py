@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from maxtrain.models import quantization
+from maxtrain.models import quantization, registry
 from maxtrain.config.keys import ConfigError
 from maxtrain.models.parts import padded_vocab
 from maxtrain.parallel import rules
@@ -105,10 +105,9 @@ def window_summary(c) -> str:
     if window:
         sliding = layers - (layers // every if every else 0)
         parts.append(f"window {window} on {sliding} of {layers} layers")
-    if c.nope_layer_interval:  # Llama 4
-        rope_layers = layers - layers // c.nope_layer_interval
-        chunks = f" in chunks of {c.chunk_attn_window_size}" if c.chunk_attn_window_size else ""
-        parts.append(f"RoPE{chunks} on {rope_layers} of {layers} layers, NoPE on the rest")
+    spec = registry.spec_for(c)
+    if spec.summary:  # a family's own layers (Llama 4's chunks and NoPE)
+        parts.append(spec.summary(c))
     parts += ["sinks"] * bool(c.attention_sinks) + ["soft cap"] * bool(c.attn_logit_softcapping)
     return f" ({', '.join(parts)})" if parts else ""
 

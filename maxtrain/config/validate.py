@@ -10,8 +10,8 @@ from maxtrain.config.keys import (CHOICES, parallelism_key, METRICS_BACKENDS, PA
                                   UPPER_BOUNDS, ConfigError)
 from maxtrain.config.data_sources import validate_sources
 from maxtrain.parallel.mesh import MESH_AXES
-from maxtrain.models import quantization, stacks as stacks_lib
-from maxtrain.runtime import storage
+from maxtrain.models import quantization, registry, stacks as stacks_lib
+from maxtrain.runtime import base_yml, storage
 
 
 
@@ -131,6 +131,7 @@ def validate(c: dict[str, Any]) -> None:
     if c["top_k"] > c["vocab_size"]:
         raise ConfigError("top_k", f"{c['top_k']} exceeds vocab_size={c['vocab_size']}")
     _validate_sampling(c)
+    _validate_family(c)
 
 
 def _validate_attention_variants(c: dict[str, Any]) -> None:
@@ -153,7 +154,6 @@ def _validate_attention_variants(c: dict[str, Any]) -> None:
                           "(ici/dcn_pipeline_parallelism=1)")
     if c["mlp_activation_limit"] <= 0:
         raise ConfigError("mlp_activation_limit", "must be > 0")
-    _validate_nope_layers(c)
     _validate_interleave(c)
 
 
@@ -177,29 +177,16 @@ def _validate_interleave(c: dict[str, Any]) -> None:
                           "(ici/dcn_pipeline_parallelism=1)")
 
 
-def _validate_nope_layers(c: dict[str, Any]) -> None:
-    """Llama 4's layers (maxtrain.models.llama4): RoPE layers that attend in chunks, NoPE ones that see all."""
-    for key in ("nope_layer_interval", "chunk_attn_window_size"):
-        if c[key] < 0:
-            raise ConfigError(key, f"must be >= 0, got {c[key]}")
-    if c["temperature_tuning_floor_scale"] <= 0:
-        raise ConfigError("temperature_tuning_floor_scale", "must be > 0")
-    if not c["nope_layer_interval"]:
-        for key in ("chunk_attn_window_size", "use_qk_l2_norm", "temperature_tuning"):
-            if c[key]:
-                raise ConfigError(key, "a Llama 4 setting: it needs nope_layer_interval > 0 (every Nth layer without "
-                                  "RoPE, as Llama 4's 4)")
-        return
-    if c["nope_layer_interval"] > c["base_num_decoder_layers"]:
-        raise ConfigError("nope_layer_interval", f"{c['nope_layer_interval']} exceeds base_num_decoder_layers="
-                          f"{c['base_num_decoder_layers']}: no layer would be NoPE")
-    for key, plain in (("sliding_window_size", 0), ("use_qk_norm", False), ("attention_type", "gqa")):
-        if c[key] != plain:
-            raise ConfigError(key, f"must be {plain} with nope_layer_interval (Llama 4's layers chunk their "
-                              f"attention and normalize q/k without weights: chunk_attn_window_size, use_qk_l2_norm)")
-    if c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
-        raise ConfigError("nope_layer_interval", "a pattern of NoPE and RoPE layers cannot be pipelined yet "
-                          "(ici/dcn_pipeline_parallelism=1)")
+def _validate_family(c: dict[str, Any]) -> None:
+    """A family's own keys at base.yml's values in another family's config, and the family's own checks."""
+    spec = registry.spec_for(c)
+    for other in registry.families():
+        key = next(iter(base_yml.changed(c, other.own_keys)), None) if other is not spec else None
+        if key:
+            raise ConfigError(key, f"only {other.name} models read it (maxtrain/models/{other.name}.py), and this "
+                              f"one is {spec.name}'s ({other.matches_hint} makes a model {other.name}'s)")
+    if spec.checks:
+        spec.checks(c)
 
 
 # What multi-head latent attention does not do (yet): each of these keys must keep its plain value.

@@ -127,9 +127,10 @@ class Decoder(nn.Module):
                 mtp_tokens_MxBxL = jnp.broadcast_to(tokens_BxL, (a.mtp_layers, *tokens_BxL.shape))
             hidden_BxLxD, normed = x_BxLxD, []
             for k in range(1, a.mtp_layers + 1):
-                hidden_BxLxD, out_BxLxD = MTPDepth(a, a.plan.remat(DecoderLayer, False), stacks[-1].moe, a.layers + k - 1,
-                                                   name=stacks_lib.mtp(k))(
-                    hidden_BxLxD, embed(mtp_tokens_MxBxL[k - 1]), positions_BxL, segment_ids_BxL)
+                depth = MTPDepth(a, a.plan.remat(DecoderLayer, False), stacks[-1].moe, a.layers + k - 1,
+                                 name=stacks_lib.mtp(k))
+                hidden_BxLxD, out_BxLxD = depth(hidden_BxLxD, embed(mtp_tokens_MxBxL[k - 1]), positions_BxL,
+                                                segment_ids_BxL)
                 normed.append(out_BxLxD)
             depths_MxBxLxD = jnp.stack(normed)
 

@@ -77,7 +77,8 @@ def tensor_table(m: Keys, fused_experts: bool = False, joined: bool = False,
         return [t for t in common + mlp if t.to_hf] if joined else common + mlp
 
     stacks = spec.stacks(m)
-    groups = [LayerTensors(s.name, layers, layer(moe), position=sub) for s in stacks for sub, moe, layers in s.positions()]
+    groups = [LayerTensors(s.name, layers, layer(moe), position=sub)
+              for s in stacks for sub, moe, layers in s.positions()]
     for k in range(1, m["mtp_num_layers"] + 1):  # only a family whose HF layout has the depths gets here
         inner = [dataclasses.replace(t, path=("layer", *t.path)) for t in layer(stacks[-1].moe)]
         groups.append(LayerTensors(stacks_lib.mtp(k), [m["base_num_decoder_layers"] + k - 1],

@@ -5,8 +5,8 @@ C x floor(p / C) to p: a window whose start snaps to the chunk, see maxtrain.ops
 each head's q and k by their RMS, without weights (use_qk_l2_norm). Its MoE layers (every layer, as Scout, or
 every Nth with dense ones between, as Maverick: interleave_moe_layer_step, maxtrain.models.stacks) score the
 top-k experts by the sigmoid of their logits, unnormalised, and scale each expert's *input* by it; one shared
-expert as wide as a routed one runs on every token. HF: Llama4ForCausalLM (model_type llama4_text, transformers >= 4.51): RoPE
-on interleaved pairs (q/k rows permuted per head to maxtrain's halves on import), feed_forward.router,
+expert as wide as a routed one runs on every token. HF: Llama4ForCausalLM (model_type llama4_text, transformers
+>= 4.51): RoPE on interleaved pairs (q/k rows permuted per head to maxtrain's halves on import), feed_forward.router,
 fused experts feed_forward.experts.gate_up_proj [E, D, 2F] (gate columns first) and down_proj [E, F, D],
 feed_forward.shared_expert; a dense layer's feed_forward.{gate,up,down}_proj (intermediate_size_mlp wide).
 """
@@ -34,7 +34,7 @@ from maxtrain.ops.attention import Variant
 from maxtrain.parallel import remat
 from maxtrain.parallel.rules import constrain
 from maxtrain.runtime import base_yml
-from maxtrain.runtime.errors import ConvertError
+from maxtrain.runtime.errors import ConfigError, ConvertError
 
 HEADS, KV_HEADS = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim")
 
@@ -132,6 +132,36 @@ def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = Tr
     return total - 2 * heads * 2 * hd * chunked * (seen_all - seen_chunk)
 
 
+# The keys only Llama 4's layers read (another family's config leaves them at base.yml's values)
+OWN_KEYS = ("chunk_attn_window_size", "use_qk_l2_norm", "temperature_tuning", "temperature_tuning_scale",
+            "temperature_tuning_floor_scale")
+
+
+def _checks(c: Keys) -> None:
+    if c["nope_layer_interval"] < 0:
+        raise ConfigError("nope_layer_interval", f"must be >= 0, got {c['nope_layer_interval']}")
+    if c["nope_layer_interval"] > c["base_num_decoder_layers"]:
+        raise ConfigError("nope_layer_interval", f"{c['nope_layer_interval']} exceeds base_num_decoder_layers="
+                          f"{c['base_num_decoder_layers']}: no layer would be NoPE")
+    if c["chunk_attn_window_size"] < 0:
+        raise ConfigError("chunk_attn_window_size", f"must be >= 0, got {c['chunk_attn_window_size']}")
+    if c["temperature_tuning_floor_scale"] <= 0:
+        raise ConfigError("temperature_tuning_floor_scale", "must be > 0")
+    for key, plain in (("sliding_window_size", 0), ("use_qk_norm", False), ("attention_type", "gqa")):
+        if c[key] != plain:
+            raise ConfigError(key, f"must be {plain} with nope_layer_interval (Llama 4's layers chunk their "
+                              f"attention and normalize q/k without weights: chunk_attn_window_size, use_qk_l2_norm)")
+    if c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
+        raise ConfigError("nope_layer_interval", "a pattern of NoPE and RoPE layers cannot be pipelined yet "
+                          "(ici/dcn_pipeline_parallelism=1)")
+
+
+def _summary(c: Keys) -> str:
+    layers = c["base_num_decoder_layers"]
+    chunks = f" in chunks of {c['chunk_attn_window_size']}" if c["chunk_attn_window_size"] else ""
+    return f"RoPE{chunks} on {layers - layers // c['nope_layer_interval']} of {layers} layers, NoPE on the rest"
+
+
 # ---------------------------------------------------------------------------------------------
 # HF: Llama4ForCausalLM
 
@@ -201,7 +231,8 @@ def _keys(config: dict, kind: str) -> dict[str, Any]:
                            f"RoPE layers' attention and not the NoPE ones')")
     return hf.moe_keys(config, kind, "num_local_experts") | OWN | base_yml.defaults_of(PLAIN) | {
         "interleave_moe_layer_step": every, "base_mlp_dim": hf.positive_int(config, "intermediate_size_mlp"),
-        "base_moe_mlp_dim": hf.positive_int(config, "intermediate_size"), "nope_layer_interval": nope_every, "chunk_attn_window_size": chunk, "use_qk_l2_norm": bool(config["use_qk_norm"]),
+        "base_moe_mlp_dim": hf.positive_int(config, "intermediate_size"), "nope_layer_interval": nope_every,
+        "chunk_attn_window_size": chunk, "use_qk_l2_norm": bool(config["use_qk_norm"]),
         "temperature_tuning": bool(config["attn_temperature_tuning"]),
         "temperature_tuning_scale": hf.number(config, "attn_scale", 0.1),
         "temperature_tuning_floor_scale": hf.number(config, "floor_scale", 8192.0)}
@@ -232,7 +263,8 @@ def _config(m: Keys, kind: str, config: dict) -> dict[str, Any]:
     return {"intermediate_size": moe_width(m), "intermediate_size_mlp": m["base_mlp_dim"],
             "num_local_experts": m["num_experts"], "num_experts_per_tok": m["num_experts_per_tok"],
             "router_aux_loss_coef": m["load_balance_loss_weight"], "interleave_moe_layer_step": step,
-            "moe_layers": list(range(step - 1, layers, step)), "no_rope_layer_interval": every, "no_rope_layers": no_rope,
+            "moe_layers": list(range(step - 1, layers, step)), "no_rope_layer_interval": every,
+            "no_rope_layers": no_rope,
             "layer_types": ["chunked_attention" if r else "full_attention" for r in no_rope],
             "attention_chunk_size": m["chunk_attn_window_size"], "use_qk_norm": m["use_qk_l2_norm"],
             "attn_temperature_tuning": m["temperature_tuning"], "attn_scale": m["temperature_tuning_scale"],
@@ -263,6 +295,7 @@ HF = HFMapping(
                "temperature_tuning"),
 )
 
-SPEC = register(ModelSpec(name="llama4", matches=lambda m: m["nope_layer_interval"] > 0, hf_kind=_hf_kind, hf=HF,
-                          priority=3, **decoder_spec.spec_parts(args=args, build=lambda c: Decoder(args(c)),
-                                                                flops_per_token=flops_per_token)))
+SPEC = register(ModelSpec(name="llama4", matches=lambda m: m["nope_layer_interval"] != 0, hf_kind=_hf_kind, hf=HF,
+                          priority=3, own_keys=OWN_KEYS, matches_hint="nope_layer_interval > 0", checks=_checks,
+                          summary=_summary, **decoder_spec.spec_parts(args=args, build=lambda c: Decoder(args(c)),
+                                                                      flops_per_token=flops_per_token)))

@@ -84,6 +84,12 @@ class ModelSpec:
     not_trained: tuple[str, ...] = ()  # parameter names the optimizer never moves (their own rule does)
     hf: HFMapping | None = None
     priority: int = 0
+    # model keys only this family reads: another family's config leaves them at base.yml's values, or the config
+    # check says so, and what makes a config this family's (`matches_hint`)
+    own_keys: tuple[str, ...] = ()
+    matches_hint: str = ""
+    checks: Callable[[Keys], None] | None = None  # what this family's configs must satisfy (a ConfigError)
+    summary: Callable[[Keys], str] | None = None  # the run's first line: what its attention does besides the mask
 
     def decayed(self, params) -> Any:
         """True for each parameter that weight decay applies to."""
