@@ -203,5 +203,6 @@ def test_the_same_losses_on_every_mesh(train_tiny):
                                          "run_name=cf")["losses"]}
     assert len(runs["one"]) == 5 and runs["one"][-1] < runs["one"][0]
     for name, losses in runs.items():
+        print(f"llama4 losses {name}: {' '.join(f'{x:.6f}' for x in losses)}")  # shown with pytest -s
         np.testing.assert_allclose(losses, runs["one"], rtol=1e-5, err_msg=name)
 
