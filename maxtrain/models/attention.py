@@ -22,6 +22,17 @@ from maxtrain.ops.attention import Variant
 from maxtrain.parallel.rules import constrain
 
 
+def projections(module: nn.Module):
+    """GQA's q, k, v [D, heads, K] and output [H, K, D] weights, as parameters of `module` (whose args' attention
+    part is GQA or a family's extension of it: llama4.py)."""
+    a, at = module.args, module.args.attention
+    h, n, hd = at.heads, at.kv_heads, at.head_dim
+    return (dense_weight(module, "wq", (a.embed, h, hd), ("embed", "heads", "head_dim")),
+            dense_weight(module, "wk", (a.embed, n, hd), ("embed", "kv_heads", "head_dim")),
+            dense_weight(module, "wv", (a.embed, n, hd), ("embed", "kv_heads", "head_dim")),
+            dense_weight(module, "wo", (h, hd, a.embed), ("heads", "head_dim", "embed"), (0, 1)))
+
+
 class Attention(nn.Module):
     args: ModelArgs
 
@@ -32,10 +43,7 @@ class Attention(nn.Module):
         slide and some do not."""
         a, at = self.args, self.args.attention
         h, n, hd = at.heads, at.kv_heads, at.head_dim
-        wq_DxHxK = dense_weight(self, "wq", (a.embed, h, hd), ("embed", "heads", "head_dim"))
-        wk_DxNxK = dense_weight(self, "wk", (a.embed, n, hd), ("embed", "kv_heads", "head_dim"))
-        wv_DxNxK = dense_weight(self, "wv", (a.embed, n, hd), ("embed", "kv_heads", "head_dim"))
-        wo_HxKxD = dense_weight(self, "wo", (h, hd, a.embed), ("heads", "head_dim", "embed"), (0, 1))
+        wq_DxHxK, wk_DxNxK, wv_DxNxK, wo_HxKxD = projections(self)
 
         q = jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK)
         k = jnp.einsum("bld,dnk->blnk", x_BxLxD, wk_DxNxK)

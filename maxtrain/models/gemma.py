@@ -111,15 +111,10 @@ def _keys(config: dict, kind: str) -> dict[str, Any]:
     return keys
 
 
-def _whole(x: float) -> int | float:
-    """transformers' Gemma configs take query_pre_attn_scalar as an int."""
-    return int(x) if float(x).is_integer() else x
-
-
 def _config(m: Keys, kind: str, config: dict) -> dict[str, Any]:
     window = m["sliding_window_size"]
     out = {"hidden_activation": ACTIVATION, "hidden_act": ACTIVATION,
-           "query_pre_attn_scalar": _whole(m["query_pre_attn_scalar"] or m["head_dim"]),
+           "query_pre_attn_scalar": hf.whole(m["query_pre_attn_scalar"] or m["head_dim"]),
            "attn_logit_softcapping": m["attn_logit_softcapping"] or None,
            "final_logit_softcapping": m["final_logit_softcapping"] or None, "use_bidirectional_attention": False,
            "sliding_window": window or config.get("sliding_window") or 4096,

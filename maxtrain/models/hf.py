@@ -55,6 +55,12 @@ def number(hf: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+def whole(x: float) -> int | float:
+    """A whole number as an int: some transformers configs type a float key as int (Gemma's
+    query_pre_attn_scalar, Llama 4's floor_scale)."""
+    return int(x) if float(x).is_integer() else x
+
+
 def positive_int(hf: dict[str, Any], key: str) -> int:
     value = hf.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -26,7 +26,7 @@ from maxtrain.models import decoder_spec, hf
 from maxtrain.models.args import ModelArgs
 from maxtrain.models.decoder import Decoder
 from maxtrain.models.hf_layout import Tensor, same, transposed
-from maxtrain.models.layers import dense_weight
+from maxtrain.models.attention import projections
 from maxtrain.models.parts import GQA, GatedMLP, MoE, moe_width
 from maxtrain.models.registry import HFMapping, HFType, Keys, ModelSpec, register
 from maxtrain.models.rope import rope
@@ -53,11 +53,7 @@ class Llama4SelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, layer=None, cache=None):
         a, at = self.args, self.args.attention
-        h, n, hd = at.heads, at.kv_heads, at.head_dim
-        wq_DxHxK = dense_weight(self, "wq", (a.embed, h, hd), ("embed", "heads", "head_dim"))
-        wk_DxNxK = dense_weight(self, "wk", (a.embed, n, hd), ("embed", "kv_heads", "head_dim"))
-        wv_DxNxK = dense_weight(self, "wv", (a.embed, n, hd), ("embed", "kv_heads", "head_dim"))
-        wo_HxKxD = dense_weight(self, "wo", (h, hd, a.embed), ("heads", "head_dim", "embed"), (0, 1))
+        wq_DxHxK, wk_DxNxK, wv_DxNxK, wo_HxKxD = projections(self)
         q = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BxLxD, wq_DxHxK), remat.QUERY)
         k = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BxLxD, wk_DxNxK), remat.KEY)
         v = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BxLxD, wv_DxNxK), remat.VALUE)
@@ -268,12 +264,7 @@ def _config(m: Keys, kind: str, config: dict) -> dict[str, Any]:
             "layer_types": ["chunked_attention" if r else "full_attention" for r in no_rope],
             "attention_chunk_size": m["chunk_attn_window_size"], "use_qk_norm": m["use_qk_l2_norm"],
             "attn_temperature_tuning": m["temperature_tuning"], "attn_scale": m["temperature_tuning_scale"],
-            "floor_scale": _whole(m["temperature_tuning_floor_scale"]), "attention_bias": False}
-
-
-def _whole(x: float) -> int | float:
-    """transformers' Llama4TextConfig takes floor_scale as an int."""
-    return int(x) if float(x).is_integer() else x
+            "floor_scale": hf.whole(m["temperature_tuning_floor_scale"]), "attention_bias": False}
 
 
 HF = HFMapping(
