@@ -307,11 +307,12 @@ def test_each_depth_takes_the_tokens_k_ahead_within_the_document():
     np.testing.assert_array_equal(mtp.depth_tokens(out, 2)[1], out["mtp_inputs_2"])
 
 
-def test_the_loss_adds_each_depths_cross_entropy_scaled(tiny_config):
+@pytest.mark.parametrize("family", ["model_name=deepseek-v3-tiny", "use_qk_norm=false"])  # and base.yml's Llama
+def test_the_loss_adds_each_depths_cross_entropy_scaled(tiny_config, family):
     """loss_fn's total: the main sum plus mtp_loss_scaling_factor x the depths' sums averaged over depths;
-    the depths' own cross-entropy is in aux; eval (no factor) runs no depth."""
+    the depths' own cross-entropy is in aux; eval (no factor) runs no depth. Any family may have depths."""
     devices = jax.devices()[:1]
-    c = tiny_config("model_name=deepseek-v3-tiny", "mtp_num_layers=2", "dtype=float32", devices=devices)
+    c = tiny_config(family, "mtp_num_layers=2", "dtype=float32", devices=devices)
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     from maxtrain.data import pipeline as data
     batch = mtp.shifted(data.synthetic_batch(0, seed=0, batch=2, length=c.max_target_length, vocab=c.vocab_size), 2)

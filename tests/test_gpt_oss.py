@@ -161,7 +161,8 @@ def test_the_window_the_clamps_and_yarn_each_matter(tmp_path):
     _, trainer, params = load_maxtrain(out / "maxtrain.yml")
     ref, args = hf_logits(model, TOKENS), trainer.model.args
     clamps = {"moe": dataclasses.replace(args.moe, expert=dataclasses.replace(args.moe.expert, limit=7.0))}
-    for change in ({"window": 0}, clamps, {"rope": dataclasses.replace(args.rope, factor=1.0)}):
+    no_window = {"attention": dataclasses.replace(args.attention, window=None)}
+    for change in (no_window, clamps, {"rope": dataclasses.replace(args.rope, factor=1.0)}):
         changed = dataclasses.replace(trainer, model=Decoder(dataclasses.replace(args, **change)))
         assert np.abs(maxtrain_logits(changed, params, TOKENS) - ref).max() > 1e-2, change
 

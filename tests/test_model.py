@@ -28,11 +28,14 @@ def logits(model, params, tokens, *args):
     return jax.jit(model.apply)({"params": params}, tokens, *args)
 
 
-@pytest.mark.parametrize("tied,bias", [(False, False), (True, False), (False, True)])
-def test_param_count_matches_config(tiny_config, tied, bias):
-    c = tiny_config(f"logits_via_embedding={str(tied).lower()}", f"qkv_bias={str(bias).lower()}")
+@pytest.mark.parametrize("overrides", [(), ("logits_via_embedding=true",), ("qkv_bias=true",),
+                                       ("mtp_num_layers=2",)])
+def test_param_count_matches_config(tiny_config, overrides):
+    """Multi-token prediction is the decoder's, not DeepSeek's: the tiny Llama builds and counts its depths."""
+    c = tiny_config(*overrides)
     _, params, _ = build(c)
     assert sum(x.size for x in jax.tree.leaves(params)) == c.num_params == registry.spec_for(c).count_params(c, False)
+    assert ("mtp_2" in params) == ("mtp_num_layers=2" in overrides)
 
 
 @pytest.mark.parametrize("preset,approx", [("125m", 124e6), ("llama2-7b", 6.74e9), ("llama3-8b", 8.03e9)])

@@ -213,7 +213,8 @@ class Engine:
         pad = lambda n: -(-n // self.multiple) * self.multiple  # noqa: E731  (the context axis splits both)
         prompt_slots = pad(max(PROMPT_MULTIPLE, 1 << (max(map(len, prompts)) - 1).bit_length()))
         slots = pad(prompt_slots + max_new_tokens - 1)
-        ring = pad(self.args.window) if self.args.window and not self.args.global_interval else 0
+        window = self.args.attention.window
+        ring = pad(window.size) if window and not window.global_interval else 0
         if ring and prompt_slots + ring < slots:  # every layer slides: the window bounds the cache
             return Shape(rows, prompt_slots, max_new_tokens, prompt_slots + ring, ring)
         return Shape(rows, prompt_slots, max_new_tokens, slots)

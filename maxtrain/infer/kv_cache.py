@@ -139,7 +139,8 @@ class KVCache:
     def empty(cls, args, start_B, slots: int, ring: int = 0) -> "KVCache":
         """A cache of `slots` slots for len(start_B) sequences, ready for their prefill, its last `ring`
         a ring (every layer sliding, ring >= the window). Call under the mesh."""
-        assert not ring or (args.window and not args.global_interval and ring >= args.window), ring
+        w = args.attention.window
+        assert not ring or (w and not w.global_interval and ring >= w.size), ring
         b, (n, k, v) = start_B.shape[0], layout(args)
         zeros = lambda width: _constrain(jnp.zeros((b * n, slots, width), args.dtype), b, n)  # noqa: E731
         return cls(tuple(zeros(k) for _ in range(args.layers)), tuple(zeros(v) for _ in range(args.layers)),

@@ -24,12 +24,7 @@ class ModelArgs:
     attention: GQA | MLA
     mlp: GatedMLP  # the dense layers' MLP
     moe: MoE | None  # the MoE layers' (maxtrain.models.stacks says which); None: a dense model
-    rope: Rope  # every layer's, or the global layers' where some slide
-    local_rope: Rope  # sliding layers'
-    window: int  # a sliding layer's query sees the keys at distance < window; 0 = no layer slides
-    global_interval: int  # with a window, every Nth layer is global; 0 = all slide
-    post_attn_norm: bool  # sandwich norms: each block's output normalized before the residual (Gemma)
-    post_ffw_norm: bool
+    rope: Rope  # every layer's, or the global layers' where some slide (the attention's window holds theirs)
     mtp_layers: int  # multi-token prediction depths (maxtrain.models.mtp); 0 = none
     dtype: Any
     weight_dtype: Any
@@ -44,11 +39,7 @@ class ModelArgs:
         return cls(
             vocab=Vocabulary.from_config(c), embed=c.base_emb_dim, layers=c.base_num_decoder_layers,
             norm=Norm.from_config(c), attention=attention_of(c), mlp=GatedMLP.from_config(c), moe=MoE.from_config(c),
-            rope=Rope.from_config(c),
-            local_rope=Rope.from_config(c, None if c.local_rope_theta == -1 else c.local_rope_theta),
-            window=c.sliding_window_size, global_interval=c.global_layer_interval,
-            post_attn_norm=c.use_post_attn_norm, post_ffw_norm=c.use_post_ffw_norm,
-            mtp_layers=c.mtp_num_layers,
+            rope=Rope.from_config(c), mtp_layers=c.mtp_num_layers,
             dtype=jnp.dtype(compute_dtype(c)), weight_dtype=jnp.dtype(c.weight_dtype), scan_layers=c.scan_layers,
             logits_dot_in_fp32=c.logits_dot_in_fp32, quantized_mlp="mlp" in quantization.targets(c),
             capacity_factor=c.capacity_factor,
@@ -57,16 +48,6 @@ class ModelArgs:
     @property
     def mla(self) -> bool:
         return isinstance(self.attention, MLA)
-
-    def slides(self, layer: int) -> bool:
-        """Whether layer `layer` (counted over the whole model) attends within the window."""
-        return self.window > 0 and (self.global_interval == 0 or (layer + 1) % self.global_interval != 0)
-
-    @property
-    def patterned(self) -> bool:
-        """Some layers slide and some do not (or the attention part says its layers differ): a scanned stack
-        tells each layer its index."""
-        return self.window > 0 and self.global_interval > 0 or self.attention.layered
 
     def stacks(self) -> list[stacks_lib.Stack]:
         """The layer stacks (maxtrain.models.stacks names them)."""

@@ -1,5 +1,5 @@
 """GQA self-attention: q/k/v projections (optional biases, optional q/k norms), RoPE, the attention the
-plan runs, and the output projection (optional bias). A layer that slides (ModelArgs.slides) attends
+plan runs, and the output projection (optional bias). A layer that slides (parts.Window) attends
 within the window, with the sliding layers' RoPE; attention sinks, a scale of the family's own and a
 soft cap on the scores go to every kernel as an attention.Variant.
 
@@ -62,12 +62,14 @@ class Attention(nn.Module):
         q, k, v = (checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY),
                    checkpoint_name(v, remat.VALUE))
 
+        window = at.window
+
         def attend(slides: bool, q, k, v, cache):
-            r = a.local_rope if slides else a.rope
+            r = window.rope if slides else a.rope
             q_BxLxHxK = constrain(rope(q, positions_BxL, r), ("batch", "length", "heads", "head_dim"))
             k_BxLxNxK = constrain(rope(k, positions_BxL, r), ("batch", "length", "kv_heads", "head_dim"))
             v_BxLxNxK = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-            variant = Variant(window=a.window if slides else 0, scale=at.scale, softcap=at.softcap)
+            variant = Variant(window=window.size if slides else 0, scale=at.scale, softcap=at.softcap)
             if cache is None:
                 return a.plan.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant,
                                      sinks_H), None
@@ -75,14 +77,14 @@ class Attention(nn.Module):
             return cache.attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, a.plan.attend,
                                 variant, sinks_H)
 
-        if not a.patterned:
-            ctx_BxLxHxK, cache = attend(a.window > 0, q, k, v, cache)
+        if not at.layered:
+            ctx_BxLxHxK, cache = attend(window is not None, q, k, v, cache)
         elif isinstance(layer, int):
-            ctx_BxLxHxK, cache = attend(a.slides(layer), q, k, v, cache)
+            ctx_BxLxHxK, cache = attend(window.slides(layer), q, k, v, cache)
         else:  # a scanned stack: each layer's kind from its index, both kinds compiled
             if cache is not None:
                 raise ValueError("decoding runs unrolled layers, each knowing its index")
-            global_layer = (layer + 1) % a.global_interval == 0
+            global_layer = (layer + 1) % window.global_interval == 0
             ctx_BxLxHxK = jax.lax.cond(global_layer, lambda *x: attend(False, *x, None)[0],
                                        lambda *x: attend(True, *x, None)[0], q, k, v)
         ctx_BxLxHxK = checkpoint_name(ctx_BxLxHxK, remat.CONTEXT)

@@ -39,12 +39,12 @@ class DecoderLayer(nn.Module):
         attention = a.attention.module or (MLAttention if a.mla else Attention)
         h, cache = attention(a, name="attention")(RMSNorm(a, name="attention_norm")(x_BxLxD),
                                                   positions_BxL, segment_ids_BxL, layer, cache)
-        if a.post_attn_norm:  # Gemma's sandwich norms: the block's output normalized before the residual
+        if a.norm.after_attention:  # sandwich norms (Gemma): the block's output normalized before the residual
             h = RMSNorm(a, name="post_attention_norm")(h)
         x_BxLxD = constrain(x_BxLxD + h, axes)
         mlp = moe.MoEBlock(a, name="mlp") if self.moe else MLP(a, name="mlp")
         h = mlp(RMSNorm(a, name="mlp_norm")(x_BxLxD))
-        if a.post_ffw_norm:
+        if a.norm.after_mlp:
             h = RMSNorm(a, name="post_mlp_norm")(h)
         return constrain(x_BxLxD + h, axes), cache  # (carry, per-layer output) for nn.scan; cache: decoding
 
@@ -98,7 +98,7 @@ class Decoder(nn.Module):
             pipelined = a.plan.pipelines(index, len(stacks))
             if a.scan_layers:  # intermediates: MoE layers record their load and auxiliary losses
                 # a patterned model's layers each get their index, scanned (attention picks its kind by it)
-                indices = (jnp.arange(first, first + count, s.period),) if a.patterned else ()
+                indices = (jnp.arange(first, first + count, s.period),) if a.attention.layered else ()
                 step = layer if s.period == 1 else functools.partial(Period, layer_type=layer, period=s.period)
                 stack = nn.scan(step, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                                 in_axes=(nn.broadcast, nn.broadcast, *(0,) * len(indices)), length=steps,

@@ -12,7 +12,7 @@ from typing import Any
 from maxtrain.models.args import ModelArgs, attention_of
 from maxtrain.models.decoder import Decoder
 from maxtrain.models import stacks as stacks_lib
-from maxtrain.models.parts import GatedMLP, MoE, Vocabulary
+from maxtrain.models.parts import GatedMLP, MoE, Norm, Vocabulary
 from maxtrain.models.registry import Keys
 
 # Norm scales, attention biases and the MoE balancing bias take no weight decay; the balancing bias is
@@ -40,8 +40,7 @@ def count_params(m: Keys, active: bool = False) -> int:
     left out; `active`: those a token uses, i.e. of the routed experts only its top-k (the FLOPs count
     these, as MaxText's), and no balancing bias. Each part counts its own."""
     d, attention, mlp, moe = m["base_emb_dim"], attention_of(m), GatedMLP.from_config(m), MoE.from_config(m)
-    # a layer's attention, its two norms and any sandwich norms
-    block = attention.params(d) + 2 * d + d * (m["use_post_attn_norm"] + m["use_post_ffw_norm"])
+    block = attention.params(d) + Norm.from_config(m).params(d)  # a layer's attention and its norms
     dense_layers, moe_layers = _layer_counts(m)
     experts = moe.params(d, active) if moe_layers else 0
     embeddings = Vocabulary.from_config(m).params(d)

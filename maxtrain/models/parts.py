@@ -60,13 +60,22 @@ class Vocabulary:
 
 @dataclasses.dataclass(frozen=True)
 class Norm:
-    """RMSNorm: x / rms(x) times a learned scale, or times (1 + scale) (Gemma)."""
+    """RMSNorm: x / rms(x) times a learned scale, or times (1 + scale) (Gemma). Each layer normalizes the
+    attention's and the MLP's inputs; sandwich norms (Gemma) also normalize each block's output before the
+    residual adds it."""
     eps: float
     plus_one: bool = False
+    after_attention: bool = False
+    after_mlp: bool = False
 
     @classmethod
     def from_config(cls, c) -> "Norm":
-        return cls(c["normalization_layer_epsilon"], c["rms_norm_plus_one"])
+        return cls(c["normalization_layer_epsilon"], c["rms_norm_plus_one"], c["use_post_attn_norm"],
+                   c["use_post_ffw_norm"])
+
+    def params(self, embed: int) -> int:
+        """A layer's norms."""
+        return embed * (2 + self.after_attention + self.after_mlp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +108,28 @@ class GatedMLP:
 
 
 @dataclasses.dataclass(frozen=True)
+class Window:
+    """Sliding-window attention: a sliding layer's query sees the keys at distance < size. With
+    global_interval N every Nth layer attends over the whole context (Gemma 2 and gpt-oss: 2, Gemma 3: 6);
+    0: every layer slides. The sliding layers use their own RoPE (Gemma 3's local_rope_theta), or the model's."""
+    size: int
+    global_interval: int
+    rope: Rope
+
+    @classmethod
+    def from_config(cls, c) -> "Window | None":
+        """None where no layer slides (sliding_window_size 0)."""
+        if not c["sliding_window_size"]:
+            return None
+        local = None if c["local_rope_theta"] == -1 else c["local_rope_theta"]
+        return cls(c["sliding_window_size"], c["global_layer_interval"], Rope.from_config(c, local))
+
+    def slides(self, layer: int) -> bool:
+        """Whether layer `layer` (counted over the whole model) attends within the window."""
+        return self.global_interval == 0 or (layer + 1) % self.global_interval != 0
+
+
+@dataclasses.dataclass(frozen=True)
 class GQA:
     """Grouped-query attention: `heads` query heads sharing `kv_heads` key/value heads of `head_dim`."""
     heads: int
@@ -110,14 +141,19 @@ class GQA:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     sinks: bool = False  # a learned logit per head in the softmax's denominator (gpt-oss)
     softcap: float = 0.0  # scores -> cap x tanh(scores / cap) (Gemma 2); 0 = none
+    window: Window | None = None  # sliding-window attention on some or all layers
     module: ClassVar[Any] = None  # a family's own attention module for it (llama4.py); None: models.attention's
-    layered: ClassVar[bool] = False  # its layers differ by their index (a scanned stack passes each its own)
 
     @classmethod
     def from_config(cls, c) -> "GQA":
         return cls(c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"],
                    (c["query_pre_attn_scalar"] or c["head_dim"]) ** -0.5, c["qkv_bias"], c["attention_out_bias"],
-                   c["use_qk_norm"], c["attention_sinks"], c["attn_logit_softcapping"])
+                   c["use_qk_norm"], c["attention_sinks"], c["attn_logit_softcapping"], Window.from_config(c))
+
+    @property
+    def layered(self) -> bool:
+        """Its layers differ by their index (some slide, some do not): a scanned stack passes each its own."""
+        return self.window is not None and self.window.global_interval > 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -182,6 +218,7 @@ class MLA:
     scale: float  # the scores' scale
     module: ClassVar[Any] = None  # (as GQA's) None: models.mla's
     layered: ClassVar[bool] = False
+    window: ClassVar[None] = None  # no layer slides (validate refuses a window with MLA)
 
     @classmethod
     def from_config(cls, c) -> "MLA":
