@@ -2,7 +2,7 @@
 #   docker build -t maxtrain .                          # TPU (jax[tpu], libtpu)
 #   docker build --build-arg ACCELERATOR=cuda -t maxtrain:cuda .   # GPU (jax[cuda12] wheels bundle CUDA)
 #   docker run --rm maxtrain configs/base.yml steps=20    # (GPU: docker run --gpus all ...)
-FROM python:3.11-slim
+FROM python:3.12-slim
 ARG ACCELERATOR=tpu
 RUN case "$ACCELERATOR" in tpu|cuda) ;; *) echo "ACCELERATOR must be tpu or cuda" >&2; exit 1 ;; esac
 WORKDIR /maxtrain

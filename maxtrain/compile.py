@@ -8,6 +8,7 @@ temporaries, outputs) against the chip's HBM and the FLOPs per step, and exits 1
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 import re
@@ -71,7 +72,8 @@ class CompileError(errors.UserError):
     kind = "compile"
 
 
-LIBTPU_HINT = 'install it with `pip install -e ".[tpu]"` (or `pip install "jax[tpu]==0.10.2"`)'
+LIBTPU_HINT = ('install it with `pip install -e ".[tpu]"` (or '
+               f'`pip install "jax[tpu]=={importlib.metadata.version("jax")}"`)')
 
 
 def topology_desc(name: str, spec: str, num_slices: int):

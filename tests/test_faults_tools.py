@@ -2,6 +2,7 @@
 restore does, an unwritable --out, a missing libtpu, a buffer that cannot fit and an unknown special
 token are each one line and an exit code, with nothing half-written."""
 
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -196,7 +197,7 @@ def test_compile_without_libtpu_is_one_line(tmp_path):
     code, _, err, seconds = run_module("maxtrain.compile", TINY, "compile_topology=v5e-4", env=env)
     assert code == 2 and one_line(err) == ('compile error: compile_topology=v5e-4 needs libtpu, which is not '
                                            'installed: install it with `pip install -e ".[tpu]"` (or '
-                                           '`pip install "jax[tpu]==0.10.2"`)'), err[-2000:]
+                                           f'`pip install "jax[tpu]=={importlib.metadata.version("jax")}"`)'), err[-2000:]
     assert seconds < 60
 
 

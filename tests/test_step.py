@@ -220,12 +220,11 @@ def test_logits_in_compute_dtype_gives_the_same_loss(tiny_config):
 
 
 def test_cheap_compiles_give_the_same_results(tiny_config):
-    """On CPU init and the step compile at XLA's level 1 (init with the loop emitters too), for
-    startup time. Init must give the same bits as XLA's defaults; the step may differ in the last
+    """On CPU init and the step compile at XLA's level 1, for startup time. Init must give the same bits as XLA's defaults; the step may differ in the last
     float32 bits (LLVM orders some sums differently), no more."""
     c = tiny_config(devices=jax.devices()[:1])
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()[:1]))
-    defaults = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+    defaults = {"xla_backend_optimization_level": 3}
     rng = jax.random.key(3)
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         default = jax.device_get(trainer.init.lower(rng).compile(defaults)(rng))

@@ -173,12 +173,9 @@ def build(c: Config, mesh) -> Trainer:
     batch_sharding = rules_lib.sharding_for(("batch", "length"), mesh, rules)
     # On CPU most of the compile time goes to LLVM, and at level 1 it takes less of it; the step runs
     # as fast (its matmuls are library calls), equal to the default's results up to float32 rounding.
-    # Init, which runs once, also takes the older loop emitters: they compile its random-number code
-    # faster and run it about as fast, same bits (not for the step, whose time they would cost).
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     cpu_compile = {"xla_backend_optimization_level": 1} if on_cpu else None
-    init_compile = {**cpu_compile, "xla_cpu_use_fusion_emitters": False} if on_cpu else None
-    init = jax.jit(init_state, out_shardings=state_shardings, compiler_options=init_compile)
+    init = jax.jit(init_state, out_shardings=state_shardings, compiler_options=cpu_compile)
     step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0,
