@@ -37,6 +37,7 @@ from maxtrain.config.load import Config, defaults
 from maxtrain.config.keys import MODEL_TRAINING_KEYS, PRESET_KEYS
 from maxtrain.checkpoint.digest import Corrupt, digest, json_sha256, leaf_signature, verify
 from maxtrain.checkpoint import orbax_quiet
+from maxtrain.runtime import pathways
 from maxtrain.runtime import storage
 from maxtrain.runtime.errors import NonFiniteState, RunError, UserError
 from maxtrain.checkpoint.trust import Trust
@@ -147,8 +148,11 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             create=True,
             multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=BARRIER_PREFIX))
+        # Pathways' single controller writes each array on its own, not through OCDBT (as MaxText under it)
+        handlers = {"state": ocp.StandardCheckpointHandler(
+            use_ocdbt=False, multiprocessing_options=options.multiprocessing_options)} if pathways.used() else None
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options,
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers,
                                                  item_names=("state", "data", "model", "digest"))
         except OSError as e:
             raise CheckpointError(f"cannot use {self.directory}: {os_error_text(e)}") from None

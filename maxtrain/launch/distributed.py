@@ -20,6 +20,7 @@ import time
 
 import jax
 
+from maxtrain.runtime import pathways
 from maxtrain.runtime import errors
 from maxtrain.config.load import Config
 
@@ -45,14 +46,17 @@ def _cluster_detected() -> bool:
 
 
 def wanted(c: Config) -> bool:
+    if pathways.used():  # one controller process drives the whole job
+        return False
     if c.distributed_init == "auto":
         return bool(c.coordinator_address) or _cluster_detected()
     return c.distributed_init == "true"
 
 
 def initialize(c: Config) -> None:
-    """jax.distributed.initialize() when the run is multi-process; a no-op otherwise."""
-    if not wanted(c) or jax.distributed.is_initialized():
+    """jax.distributed.initialize() when the run is multi-process; under Pathways its own start-up instead
+    (maxtrain.runtime.pathways); a no-op otherwise."""
+    if pathways.initialize() or not wanted(c) or jax.distributed.is_initialized():
         return
     # CPU processes need a collectives implementation; this setting only affects the CPU backend.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
