@@ -78,3 +78,15 @@ def test_without_pathways_checkpoints_use_ocdbt(train_tiny, tmp_path):
     """The check above can fail: the same save off Pathways writes OCDBT."""
     train_tiny(*CKPT, "run_name=plain", "steps=3", "checkpoint_period=3", n_devices=2)
     assert any("ocdbt" in p.name for p in (tmp_path / "plain" / "checkpoints" / "3" / "state").iterdir())
+
+
+def test_proxy_without_pathwaysutils_is_one_line(tmp_path):
+    fake = tmp_path / "site" / "pathwaysutils"  # shadows the installed package, as if it were not installed
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("No module named \'pathwaysutils\'")\n')
+    env = {**os.environ, "JAX_PLATFORMS": "proxy", "PYTHONPATH": os.pathsep.join([str(fake.parent), str(TESTS.parent)])}
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={tmp_path}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        'input error: JAX_PLATFORMS=proxy (Pathways) needs pathwaysutils: pip install -e ".[pathways]"']
