@@ -214,7 +214,7 @@ class Engine:
         prompt_slots = pad(max(PROMPT_MULTIPLE, 1 << (max(map(len, prompts)) - 1).bit_length()))
         slots = pad(prompt_slots + max_new_tokens - 1)
         window = self.args.attention.window
-        ring = pad(window.size) if window and not window.global_interval else 0
+        ring = pad(window.size) if window and window.every_layer else 0
         if ring and prompt_slots + ring < slots:  # every layer slides: the window bounds the cache
             return Shape(rows, prompt_slots, max_new_tokens, prompt_slots + ring, ring)
         return Shape(rows, prompt_slots, max_new_tokens, slots)

@@ -140,7 +140,7 @@ class KVCache:
         """A cache of `slots` slots for len(start_B) sequences, ready for their prefill, its last `ring`
         a ring (every layer sliding, ring >= the window). Call under the mesh."""
         w = args.attention.window
-        assert not ring or (w and not w.global_interval and ring >= w.size), ring
+        assert not ring or (w and w.every_layer and ring >= w.size), ring
         b, (n, k, v) = start_B.shape[0], layout(args)
         zeros = lambda width: _constrain(jnp.zeros((b * n, slots, width), args.dtype), b, n)  # noqa: E731
         return cls(tuple(zeros(k) for _ in range(args.layers)), tuple(zeros(v) for _ in range(args.layers)),

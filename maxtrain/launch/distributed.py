@@ -20,8 +20,7 @@ import time
 
 import jax
 
-from maxtrain.runtime import pathways
-from maxtrain.runtime import errors
+from maxtrain.runtime import errors, pathways
 from maxtrain.config.load import Config
 
 # Environment variables by which the cluster says this is one of several processes.

@@ -100,10 +100,8 @@ class Llama4Attention(GQA):
 
     @classmethod
     def from_config(cls, c) -> "Llama4Attention":
-        gqa = GQA.from_config(c)
-        return cls(**{f.name: getattr(gqa, f.name) for f in dataclasses.fields(gqa)}, nope_interval=c["nope_layer_interval"],
-                   chunk=c["chunk_attn_window_size"], l2_norm=c["use_qk_l2_norm"],
-                   eps=c["normalization_layer_epsilon"],
+        return cls(**vars(GQA.from_config(c)), nope_interval=c["nope_layer_interval"],
+                   chunk=c["chunk_attn_window_size"], l2_norm=c["use_qk_l2_norm"], eps=c["normalization_layer_epsilon"],
                    temperature_tuning=c["temperature_tuning"], temperature_scale=c["temperature_tuning_scale"],
                    floor_scale=c["temperature_tuning_floor_scale"])
 

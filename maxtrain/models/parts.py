@@ -124,9 +124,14 @@ class Window:
         local = None if c["local_rope_theta"] == -1 else c["local_rope_theta"]
         return cls(c["sliding_window_size"], c["global_layer_interval"], Rope.from_config(c, local))
 
+    @property
+    def every_layer(self) -> bool:
+        """Every layer slides (no global ones)."""
+        return self.global_interval == 0
+
     def slides(self, layer: int) -> bool:
         """Whether layer `layer` (counted over the whole model) attends within the window."""
-        return self.global_interval == 0 or (layer + 1) % self.global_interval != 0
+        return self.every_layer or (layer + 1) % self.global_interval != 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +158,7 @@ class GQA:
     @property
     def layered(self) -> bool:
         """Its layers differ by their index (some slide, some do not): a scanned stack passes each its own."""
-        return self.window is not None and self.window.global_interval > 0
+        return self.window is not None and not self.window.every_layer
 
     @property
     def qk_head_dim(self) -> int:
