@@ -37,6 +37,7 @@ def recorded(monkeypatch):
 ])
 def test_pathwaysutils_starts_exactly_under_the_proxy_backend(recorded, monkeypatch, platforms, coordinator,
                                                               expected):
+    monkeypatch.setenv("JAX_BACKEND_TARGET", "grpc://localhost:29000")
     if platforms is None:
         monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     else:
@@ -54,7 +55,8 @@ def test_the_real_initialize_applies_pathways_settings():
             "True); print(pathways.initialize(), jax.config.jax_enable_compilation_cache)")
     out = {}
     for platforms in ("proxy", "cpu"):
-        env = {**os.environ, "JAX_PLATFORMS": platforms, "PYTHONPATH": str(TESTS.parent)}
+        env = {**os.environ, "JAX_PLATFORMS": platforms, "PYTHONPATH": str(TESTS.parent),
+               "JAX_BACKEND_TARGET": "grpc://localhost:29000"}
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[platforms] = proc.stdout.split()
@@ -84,9 +86,27 @@ def test_proxy_without_pathwaysutils_is_one_line(tmp_path):
     fake = tmp_path / "site" / "pathwaysutils"  # shadows the installed package, as if it were not installed
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('raise ImportError("No module named \'pathwaysutils\'")\n')
-    env = {**os.environ, "JAX_PLATFORMS": "proxy", "PYTHONPATH": os.pathsep.join([str(fake.parent), str(TESTS.parent)])}
+    env = {**os.environ, "JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://localhost:29000",
+           "PYTHONPATH": os.pathsep.join([str(fake.parent), str(TESTS.parent)])}
     proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={tmp_path}"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         'input error: JAX_PLATFORMS=proxy (Pathways) needs pathwaysutils: pip install -e ".[pathways]"']
+
+
+@pytest.mark.parametrize("target,code,line", [
+    (None, 2, "input error: JAX_PLATFORMS=proxy (Pathways) needs the proxy server's address: "
+              "JAX_BACKEND_TARGET=grpc://HOST:PORT"),
+    ("grpc://127.0.0.1:1", 1,
+     "run error: JAX_PLATFORMS=proxy: no Pathways proxy at JAX_BACKEND_TARGET=grpc://127.0.0.1:1 ("),
+])
+def test_no_proxy_server_is_one_line(tmp_path, target, code, line):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_BACKEND_TARGET"}
+    env.update(JAX_PLATFORMS="proxy", PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="5", PYTHONPATH=str(TESTS.parent))
+    if target:
+        env["JAX_BACKEND_TARGET"] = target
+    proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={tmp_path}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code and len(lines) == 1 and lines[0].startswith(line), proc.stderr[-2000:]

@@ -26,5 +26,21 @@ def initialize() -> bool:
     except ImportError:
         raise errors.UserError('JAX_PLATFORMS=proxy (Pathways) needs pathwaysutils: pip install -e ".[pathways]"'
                                ) from None
+    if not os.environ.get("JAX_BACKEND_TARGET"):  # where the proxy backend connects (jax_backend_target)
+        raise errors.UserError("JAX_PLATFORMS=proxy (Pathways) needs the proxy server's address: "
+                               "JAX_BACKEND_TARGET=grpc://HOST:PORT")
     pathwaysutils.initialize()
     return True
+
+
+def devices():
+    """jax.devices(), the proxy server unreachable under Pathways as one line."""
+    import jax
+    try:
+        return jax.devices()
+    except RuntimeError as e:
+        if not used():
+            raise
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise errors.RunError(f"JAX_PLATFORMS=proxy: no Pathways proxy at "
+                              f"JAX_BACKEND_TARGET={os.environ.get('JAX_BACKEND_TARGET')} ({first})") from None
