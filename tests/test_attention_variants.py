@@ -188,12 +188,14 @@ def context_mesh():
     return mesh_lib.make_mesh(c, jax.devices()), rules_lib.axis_rules(c)
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 @pytest.mark.parametrize("window", [1, 9, 17, 24, 40, 0])
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "unbalanced"])
-def test_context_parallel_with_a_window_and_sinks(context_mesh, balanced, window):
+def test_context_parallel_with_a_window_and_sinks(context_mesh, balanced, window, strategy):
     """Context 4 x fsdp 2, each device 32 of 128 positions (in zigzag order two runs of 16): outputs and
     gradients equal the reference in sequence order. A window of at most a run + 1 takes the keys before
-    each run from the neighbouring device (ppermute, no all-gather); a longer one gathers them all."""
+    each run from the neighbouring device (ppermute, no all-gather); a longer one gathers them all, or
+    under the ring strategy passes each device's block round the ring (ppermutes, no all-gather)."""
     length, shards = 128, 4
     q, k, v, segments, sinks, cotangent = inputs(length)
     variant = Variant(window=window, scale=0.3, softcap=4.0)
@@ -202,13 +204,14 @@ def test_context_parallel_with_a_window_and_sinks(context_mesh, balanced, window
     mesh, rules = context_mesh
 
     def ours(q, k, v, s):
-        return context.context_parallel(q, k, v, segments[:, order], positions, variant, s, balanced)
+        return context.context_parallel(q, k, v, segments[:, order], positions, variant, s, balanced, strategy)
     args = (q[:, order], k[:, order], v[:, order], sinks, cotangent[:, order])
     with mesh_lib.activate(mesh, rules):
         program = str(jax.make_jaxpr(lambda *a: value_and_grads(ours, *a))(*args))
         out, grads = jax.jit(lambda *a: value_and_grads(ours, *a))(*args)
     halo = window and window - 1 <= (16 if balanced else 32)
-    assert ("all_gather" in program, "ppermute" in program) == (not halo, halo and window > 1)
+    gathers = not halo and strategy == "all_gather"
+    assert ("all_gather" in program, "ppermute" in program) == (gathers, not gathers and window != 1)
     back = np.argsort(order)
     grads = [g[:, back] for g in grads[:3]] + [grads[3]]
     out_r, grads_r = value_and_grads(lambda q, k, v, s: reference(q, k, v, segments, None, window, 0.3, 4.0, s),

@@ -65,6 +65,41 @@ def test_packed_documents_train_the_same(train_tiny, one_device, documents, mesh
     np.testing.assert_allclose(losses, one_device["packed"], rtol=RTOL)
 
 
+@pytest.mark.parametrize("chunk", [512, 4], ids=["one-chunk", "chunks-of-4"])
+@pytest.mark.parametrize("window", [0, 24], ids=["causal", "window24"])
+@pytest.mark.parametrize("mesh", ["context8", "context4xfsdp2"])
+def test_ring_attention_trains_as_one_device(train_tiny, tmp_path_factory, one_device, documents, mesh, window,
+                                             chunk, monkeypatch):
+    """context_parallel_strategy=ring, load-balanced, on packed documents: the 5 losses of one device. A
+    window of 24 is longer than a device's runs of positions (4 or 8) + 1, so the ring carries it, not the
+    neighbour exchange; chunks of 4 cut each step into scans of 4 x 4 pairs and skip the hidden ones."""
+    from maxtrain.parallel import ring
+    monkeypatch.setattr(ring, "CHUNK", chunk)
+    windowed = (f"sliding_window_size={window}",) if window else ()
+    losses = train_tiny(*MODEL, *documents, *windowed, *MESHES[mesh], "per_device_batch_size=1",
+                        "context_parallel_strategy=ring")["losses"]
+    expected = reference_losses(tmp_path_factory, *documents, *windowed) if window else one_device["packed"]
+    assert len(losses) == 5
+    np.testing.assert_allclose(losses, expected, rtol=RTOL)
+
+
+def test_the_ring_passes_blocks_and_gathers_no_sequence(tiny_config):
+    """The compiled train step, context 8 (each device 8 of 64 positions of 8 rows, 8 kv heads of 8): under
+    the ring, keys and values move as a device's block, f32[8,8,8,8], in collective-permutes (7 steps
+    forward, 7 + 1 back, keys and values each, at least), and no [8,64,8,8] whole-sequence block is ever
+    gathered; under all_gather the same step gathers them."""
+    import re
+
+    def collectives(strategy, op):
+        c = tiny_config(*MODEL, *MESHES["context8"], "per_device_batch_size=1", "base_num_decoder_layers=1",
+                        f"context_parallel_strategy={strategy}")
+        hlo = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices())).compile_train_step().as_text()
+        return re.findall(rf"= (\w+\[[\d,]*\])\S* {op}\(", hlo)
+    assert "f32[8,64,8,8]" in collectives("all_gather", "all-gather")
+    assert "f32[8,64,8,8]" not in collectives("ring", "all-gather")
+    assert collectives("ring", "collective-permute").count("f32[8,8,8,8]") >= 2 * (7 + 8)
+
+
 @pytest.mark.parametrize("balance", BALANCE)
 @pytest.mark.parametrize("mesh", ["context2", "context2xtensor2xdata2"])
 def test_splash_under_context_parallelism_trains_the_same(train_tiny, tmp_path_factory, documents, mesh, balance):
@@ -217,7 +252,8 @@ def test_splash_block_map_of_the_load_balanced_layout():
 @pytest.mark.parametrize("model,prompt_length", [
     (("max_target_length=256", "attention=splash"), 200),  # a 256-token buffer: splash's blocks per device
     (("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0"), 62),
-], ids=["splash", "moe-capacity"])
+    (("context_parallel_strategy=ring",), 62),  # the prompt's prefill round the ring
+], ids=["splash", "moe-capacity", "ring"])
 def test_generation_under_context_parallelism_matches_one_device(tiny_config, model, prompt_length):
     """Decoding's prefill is in sequence order (not training's load-balanced layout) and padded to what the
     context axis and splash take; the decode steps run on every context device alike: the same greedy tokens

@@ -48,6 +48,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dataset_type": ("synthetic", "prepared", "text", "parquet", "array_record"),
     "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
     "attention": ("auto", "dot_product", "blockwise", "jax_nn", "splash"),
+    "context_parallel_strategy": ("all_gather", "ring"),
     "distributed_init": ("auto", "true", "false"),
     "nan_policy": ("skip", "stop", "rollback"),
     "data_source_exhausted": ("repeat", "drop"),

@@ -95,7 +95,18 @@ def summary(c) -> str:
     quantized = f" | {c.quantization} matmuls ({c.quantization_targets})" if c.quantization else ""
     unrolled = f" | {c.scan_unroll} layers per loop iteration" if c.scan_layers and c.scan_unroll > 1 else ""
     pipeline = f" | {c.plan.schedule.describe()}" if c.plan.schedule.active else ""
-    return f"{c.dtype} | attention {c.attention}{window_summary(c)}{text}{moe}{quantized}{unrolled}{pipeline}"
+    return f"{c.dtype} | attention {attention_summary(c)}{window_summary(c)}{text}{moe}{quantized}{unrolled}{pipeline}"
+
+
+def attention_summary(c) -> str:
+    """The kernel, and under context parallelism how a device's queries reach the other devices' keys."""
+    shards = rules.sequence_shards(c.logical_axis_rules, c.mesh_shape)
+    if shards == 1:
+        return c.attention
+    if c.context_parallel_strategy == "ring":  # every kernel gives way to the ring (maxtrain.parallel.ring)
+        return f"ring over {shards} devices"
+    # splash runs on each device against the gathered keys; the other kernels give way to context_parallel's
+    return f"{'splash, ' if c.attention == 'splash' else ''}all_gather over {shards} devices"
 
 
 def window_summary(c) -> str:

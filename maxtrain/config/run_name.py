@@ -33,8 +33,8 @@ NOT_DEFINING = frozenset({
     "sampling_seed", "sample_interval", "sample_prompts",
     "distributed_init", "coordinator_address", "num_processes", "process_id", "distributed_heartbeat_timeout_seconds",
     "per_device_batch_size",  # the global batch (per device x devices) is what defines the run: derive() adds it
-    "logical_axis_rules", "context_parallel_load_balance", "scan_unroll", "remat_policy", "mlp_chunk_size",
-    "loss_chunk_size", "attention", "moe_grouped_matmul",
+    "logical_axis_rules", "context_parallel_load_balance", "context_parallel_strategy", "scan_unroll", "remat_policy",
+    "mlp_chunk_size", "loss_chunk_size", "attention", "moe_grouped_matmul",
     *(parallelism_key(group, axis) for group in ("ici", "dcn") for axis in MESH_AXES),
     "num_pipeline_microbatches", "num_layers_per_pipeline_stage", "num_pipeline_repeats",
 })

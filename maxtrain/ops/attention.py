@@ -102,6 +102,12 @@ def _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM, scale, softcap):
     return jnp.where(mask_Bx1xQxM[:, :, None], scores_BxNxGxQxM, -1e30), tanh
 
 
+def masked_scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM, variant: Variant):
+    """The variant's scores of Q queries against M keys, float32, -1e30 where the mask hides a key; and
+    tanh of the capped scores (or None), for the soft cap's gradient."""
+    return _scores(q_BxNxGxQxK, k_BxNxMxK, mask_Bx1xQxM, variant.scale_for(q_BxNxGxQxK.shape[-1]), variant.softcap)
+
+
 def _log_z(scores_BxNxGxQxM, sinks_NxG):
     log_z_BxNxGxQ = jax.nn.logsumexp(scores_BxNxGxQxM, axis=-1)
     if sinks_NxG is None:

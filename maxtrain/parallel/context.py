@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain.ops.attention import (PLAIN, Variant, attend_blocks, document_mask, run_splash, splash_kernel, unzigzag,
                                    zigzag_order)
+from maxtrain.parallel import ring
 from maxtrain.parallel.rules import active_mesh, active_spec, length_shards, splits_evenly
 
 
@@ -66,16 +67,17 @@ def _platform() -> str:
 
 
 def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant: Variant = PLAIN,
-                     sinks_H=None, balanced: bool = False):
-    """Each device keeps its queries and gathers the whole sequence's keys and values (the all-gather
-    strategy of MaxText and torchtitan), under shard_map: the attention itself is a device's local
+                     sinks_H=None, balanced: bool = False, strategy: str = "all_gather"):
+    """Each device keeps its queries and, by `strategy`, either gathers the whole sequence's keys and
+    values (all_gather, as MaxText's and torchtitan's default) or takes them a device's block at a time
+    round a ring (ring: maxtrain.parallel.ring), under shard_map: the attention itself is a device's local
     computation, as without context parallelism. The causal mask compares positions, not places, so a
     reordered sequence (zigzag_order; `balanced`) attends exactly as the original. (Left to GSPMD, XLA:CPU
     ran the partitioned softmax's gradient several times slower.)
 
-    With a window no longer than each contiguous run of a device's positions plus one, a device needs
-    only the window - 1 keys before each run: those come from the neighbouring device (a ppermute, see
-    `_halo`) instead of the whole sequence, so each device's traffic and scores are bounded by the window."""
+    With a window no longer than each contiguous run of a device's positions plus one, either strategy
+    needs only the window - 1 keys before each run: those come from the neighbouring device (a ppermute,
+    see `_halo`: a ring of one step), so each device's traffic and scores are bounded by the window."""
     kv_axes, token_axes = ("batch", "length", "kv_heads", "head_dim"), ("batch", "length")
     logical = (("batch", "length", "heads", "head_dim"), kv_axes, kv_axes, token_axes, token_axes)
     specs = tuple(active_spec(axes) for axes in logical)
@@ -94,6 +96,9 @@ def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions
         if w and w - 1 <= run:
             return _halo(q_BxQxHxK, (k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ), tokens[1], shards,
                          runs, variant, sinks_H)
+        if strategy == "ring":
+            return ring.ring_attention(q_BxQxHxK, k_BxCxNxK, v_BxCxNxK, segment_ids_BxQ, positions_BxQ, sinks_H,
+                                       tokens[1], shards, variant)
         gather = lambda x: jax.lax.all_gather(x, tokens[1], axis=1, tiled=True)  # noqa: E731
         mask_Bx1xQxM = document_mask(positions_BxQ, gather(positions_BxQ), segment_ids_BxQ, gather(segment_ids_BxQ),
                                      w)

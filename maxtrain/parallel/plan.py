@@ -39,6 +39,7 @@ class Plan:
     remat_policy: str  # a name in remat.POLICIES
     scan_unroll: int  # layers per iteration of the scanned loop
     context_load_balance: bool  # under context parallelism the batch is in attention.zigzag_order
+    context_strategy: str = "all_gather"  # under context parallelism: all_gather | ring (parallel.context)
     schedule: pipeline.Schedule = pipeline.Schedule()  # the pipeline over stages (none: 1 stage)
 
     @classmethod
@@ -46,7 +47,7 @@ class Plan:
         """The plan of a config resolved for the devices: every value already chosen."""
         return cls(attention=c.attention, mlp_chunk=c.mlp_chunk_size, moe_chunk=c.moe_chunk_size,
                    moe_grouped_matmul=c.moe_grouped_matmul, remat_policy=c.remat_policy, scan_unroll=c.scan_unroll,
-                   context_load_balance=c.context_parallel_load_balance,
+                   context_load_balance=c.context_parallel_load_balance, context_strategy=c.context_parallel_strategy,
                    schedule=pipeline.Schedule(c.mesh_shape["stage"], c.pipeline_repeats, c.pipeline_microbatches))
 
     @classmethod
@@ -59,7 +60,7 @@ class Plan:
                    moe_grouped_matmul=(REFERENCE["moe_grouped_matmul"] if c.moe_grouped_matmul == "auto"
                                        else c.moe_grouped_matmul),
                    remat_policy=c.remat_policy, scan_unroll=max(c.scan_unroll, REFERENCE["scan_unroll"]),
-                   context_load_balance=c.context_parallel_load_balance)
+                   context_load_balance=c.context_parallel_load_balance, context_strategy=c.context_parallel_strategy)
 
     # ---- what a layer asks
 
@@ -67,17 +68,19 @@ class Plan:
                variant: Variant = PLAIN, sinks_H=None):
         """Causal, same-document attention [B,L,H,K] by the planned kernel, as `variant` says (a window,
         a scale, a soft cap) and with `sinks_H` if any; under context parallelism (the sequence split over
-        devices) every kernel but splash gives way to context_parallel. A chunked window reaches every
+        devices) every kernel but splash gives way to context_parallel, and under the ring strategy splash
+        does too (its all-gather is what the ring replaces). A chunked window reaches every
         kernel as the window plus each chunk a document of its own (positions count from each document's
         start, so chunks do too)."""
         if variant.chunked:
             segment_ids_BxL = attention.chunk_segments(segment_ids_BxL, positions_BxL, variant.window)
-        if self.attention == "splash":
+        ring = self.context_strategy == "ring" and length_shards() > 1
+        if self.attention == "splash" and not ring:
             return context.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
                                   self.context_load_balance, variant, sinks_H)
         if length_shards() > 1:
             return context.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
-                                            variant, sinks_H, self.context_load_balance)
+                                            variant, sinks_H, self.context_load_balance, self.context_strategy)
         return attention.KERNELS[self.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant, sinks_H)
 
     def embed(self, embedding_VxD, tokens_BxL, dtype):
