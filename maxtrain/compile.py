@@ -26,6 +26,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from maxtrain.config import help as cli_help, keys as config_keys, load as config_lib  # noqa: E402
 from maxtrain.config import platform_defaults, resolve  # noqa: E402
 from maxtrain.observe import fit, metrics, progress, summary  # noqa: E402
+from maxtrain.ops import grouped_matmul  # noqa: E402
 from maxtrain.parallel import mesh as mesh_lib  # noqa: E402
 from maxtrain.runtime import errors, interrupts  # noqa: E402
 from maxtrain.training import step as step_lib  # noqa: E402
@@ -114,7 +115,7 @@ def compile_for(c_static: config_lib.Config) -> int:
     with progress.heartbeat("building the model"):
         trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     try:
-        with mesh_lib.activate(trainer.mesh, trainer.rules):
+        with mesh_lib.activate(trainer.mesh, trainer.rules), grouped_matmul.cross_compiling(c.moe_grouped_matmul):
             print("lowering the train step (tracing it to XLA)", flush=True)
             with progress.heartbeat("lowering the train step"):
                 lowered = trainer.train_step.lower(trainer.abstract_state, trainer.abstract_batch())

@@ -110,7 +110,7 @@ def test_real_models_are_within_the_bounds():
     for name in ("deepseek-v3", "llama3.1-405b", "qwen3-30b-a3b", "mixtral-8x7b", "smollm2-135m"):
         c = config.load([BASE, f"model_name={name}", "max_target_length=131072", "capacity_factor=1.25"])
         c = resolve(c, 64, platform="tpu")  # fsdp 64: every width above divides
-        assert c.mesh_shape["fsdp"] == 64 and c.moe_grouped_matmul == "megablox"
+        assert c.mesh_shape["fsdp"] == 64 and c.moe_grouped_matmul == "tokamax"
     c = config.load([BASE, *MOE, "capacity_factor=1000", "max_target_length=2097152", "num_experts=65536",
                      "num_experts_per_tok=65536", "per_device_batch_size=1e-3"])
     assert c.capacity_factor == 1000 and c.max_target_length == 2**21  # the bounds themselves are allowed
@@ -120,10 +120,10 @@ def test_real_models_are_within_the_bounds():
 
 def test_megablox_off_tpu_is_refused_at_load(capsys, tmp_path):
     assert refusal([TINY, f"base_output_directory={tmp_path}", *MOE, "moe_grouped_matmul=megablox"], capsys) == \
-        "config error: moe_grouped_matmul: megablox is a TPU kernel (Pallas Mosaic); on cpu use blocked or " \
-        "ragged_dot (auto = blocked)"
+        "config error: moe_grouped_matmul: megablox is a TPU kernel (Pallas Mosaic); on cpu use tokamax, " \
+        "blocked or ragged_dot (auto = blocked)"
     c = config.load([BASE, *MOE, "moe_grouped_matmul=megablox"])
-    with pytest.raises(config.ConfigError, match="on gpu use blocked or ragged_dot \\(auto = ragged_dot\\)"):
+    with pytest.raises(config.ConfigError, match="on gpu use tokamax, blocked or ragged_dot \\(auto = ragged_dot\\)"):
         resolve(c, 1, platform="gpu")
     assert resolve(c, 1, platform="tpu").moe_grouped_matmul == "megablox"
     dense = config.load([BASE, "moe_grouped_matmul=megablox"])  # no experts: the key is never read

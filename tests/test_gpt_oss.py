@@ -54,7 +54,7 @@ def gpt_oss_reference(args, params, x):
     return out.reshape(x.shape)
 
 
-@pytest.mark.parametrize("method", ["blocked", "ragged_dot"])
+@pytest.mark.parametrize("method", ["blocked", "ragged_dot", "tokamax"])
 @pytest.mark.parametrize("mesh", [None, "expert4xfsdp2", "expert2xtensor2xdata2"])
 def test_moe_block_equals_the_reference(tiny_config, method, mesh):
     args, c = block_args(tiny_config, *GPT_OSS_MOE, *mesh_overrides(MESHES[mesh or "expert1"]),
@@ -99,7 +99,7 @@ def test_megablox_with_biases_equals_blocked_in_the_interpreter(monkeypatch):
     for a, b_, c_ in zip(g1, g2, g3):
         np.testing.assert_allclose(a, b_, atol=1e-3)
         np.testing.assert_allclose(c_, b_, atol=1e-3)
-    for method in ("megablox", "blocked", "ragged_dot"):
+    for method in ("megablox", "blocked", "ragged_dot", "tokamax"):
         y = np.asarray(gmm.grouped_matmul(x, w, sizes, method, b))
         assert not np.any(y[228:]), method
         np.testing.assert_allclose(y[:100], np.asarray(x[:100] @ w[1] + b[1]), atol=1e-3)

@@ -92,7 +92,7 @@ def random_x(args, batch=8, length=16, seed=1):
     return jax.random.normal(jax.random.key(seed), (batch, length, args.embed), jnp.float32)
 
 
-@pytest.mark.parametrize("method", ["blocked", "ragged_dot"])
+@pytest.mark.parametrize("method", ["blocked", "ragged_dot", "tokamax"])
 def test_one_expert_top1_equals_the_dense_mlp(tiny_config, method):
     args, _ = block_args(tiny_config, moe_grouped_matmul=method, num_experts=1, experts_per_token=1)
     x = random_x(args)
@@ -105,7 +105,7 @@ def test_one_expert_top1_equals_the_dense_mlp(tiny_config, method):
 @pytest.mark.parametrize("routing", [
     {}, {"norm_topk_prob": False}, {"score_func": "sigmoid", "scaling_factor": 2.5},
     {"experts_per_token": 8}, {"experts_per_token": 1}], ids=["softmax_norm", "softmax", "sigmoid", "top8", "top1"])
-@pytest.mark.parametrize("method", ["blocked", "ragged_dot"])
+@pytest.mark.parametrize("method", ["blocked", "ragged_dot", "tokamax"])
 def test_dropless_equals_a_per_token_reference(tiny_config, routing, method):
     args, _ = block_args(tiny_config, moe_grouped_matmul=method, **routing)
     x = random_x(args)
@@ -191,7 +191,7 @@ def test_a_large_capacity_equals_dropless(tiny_config):
     np.testing.assert_allclose(apply_block(args, params, x, c, MESHES["expert4xfsdp2"]), dropless, atol=1e-6)
 
 
-def test_blocked_matmul_equals_ragged_dot_with_gradients():
+def test_blocked_and_tokamax_matmuls_equal_ragged_dot_with_gradients():
     rng = np.random.default_rng(0)
     sizes = jnp.array([0, 70, 1, 0, 129, 3], jnp.int32)  # empty groups, partial blocks, 17 rows past all groups
     x = jnp.asarray(rng.normal(size=(220, 24)), jnp.float32)
@@ -206,6 +206,11 @@ def test_blocked_matmul_equals_ragged_dot_with_gradients():
     np.testing.assert_allclose(dx1, dx2, atol=1e-4)
     np.testing.assert_allclose(dw1, dw2, atol=1e-4)
     assert not np.any(np.asarray(gmm.grouped_matmul(x, w, sizes, "blocked"))[203:])  # rows past the groups
+    (v3, (dx3, dw3)) = grads("tokamax")  # on CPU Tokamax's XLA implementation: ragged_dot's bits
+    np.testing.assert_array_equal(v3, v2)
+    np.testing.assert_array_equal(dx3, dx2)
+    np.testing.assert_array_equal(dw3, dw2)
+    assert not np.any(np.asarray(gmm.grouped_matmul(x, w, sizes, "tokamax"))[203:])
 
 
 DEEPSEEK_TINY = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",

@@ -43,3 +43,16 @@ def test_the_down_bias_gathers_no_batch(tmp_path):
     shapes = collective_shapes(hlo)
     assert len(shapes) > 4, "too few collectives found: the pattern no longer reads the HLO"
     assert [s for s in shapes if 16 in s and 48 in s] == []
+
+
+def test_the_tokamax_grouped_matmul_compiles_for_tpu(tmp_path):
+    """moe_grouped_matmul=tokamax in a TPU compile from this CPU process: Tokamax's Pallas grouped matmul
+    (forward and gradients) where the widths are TPU-sized (128), XLA's ragged_dot where its kernel
+    refuses narrower ones (64), not a traceback."""
+    def kernels(*args):
+        hlo = compiled_step_hlo(tmp_path / str(len(list(tmp_path.iterdir()))), "num_experts=8",
+                                "num_experts_per_tok=2", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
+                                "per_device_batch_size=2", "max_target_length=48", "moe_grouped_matmul=tokamax", *args)
+        return len(re.findall(r'op_name="[^"]*pallas_tpu_ragged_dot_gmm[^"]*pallas_call"', hlo))
+    assert kernels("base_emb_dim=128", "base_moe_mlp_dim=128") >= 3  # gate, up, down; and their gradients
+    assert kernels() == 0

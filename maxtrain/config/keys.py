@@ -57,7 +57,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rope_type": ("llama3", "linear", "yarn"),
     "mlp_activation": ("silu", "gelu_tanh", "clamped_swiglu"),
     "attention_type": ("gqa", "mla"),
-    "moe_grouped_matmul": ("auto", "megablox", "ragged_dot", "blocked"),
+    "moe_grouped_matmul": ("auto", "tokamax", "megablox", "ragged_dot", "blocked"),
     "quantization": ("", *quantization.MODES),
 }
 POSITIVE_INTS = (

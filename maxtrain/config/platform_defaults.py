@@ -24,12 +24,12 @@ def choose(resolving: dict[str, Any], platform: str) -> dict[str, Any]:
         quantized = "attention" in quantization.targets(c)
         share = c["max_target_length"] // rules.sequence_shards(c["logical_axis_rules"], c["mesh_shape"])
         c["attention"] = attention_for(platform, share, quantized)
-    auto_matmul = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "blocked")  # see maxtrain.ops.grouped_matmul
+    auto_matmul = {"tpu": "tokamax", "gpu": "ragged_dot"}.get(platform, "blocked")  # see maxtrain.ops.grouped_matmul
     if c["moe_grouped_matmul"] == "auto":
         c["moe_grouped_matmul"] = auto_matmul
     elif c["moe_grouped_matmul"] == "megablox" and platform != "tpu" and c["num_experts"] > 1:
         raise ConfigError("moe_grouped_matmul", f"megablox is a TPU kernel (Pallas Mosaic); on {platform} use "
-                          f"blocked or ragged_dot (auto = {auto_matmul})")
+                          f"tokamax, blocked or ragged_dot (auto = {auto_matmul})")
     if c["scan_unroll"] == -1:
         c["scan_unroll"] = scan_unroll_for(platform, c["remat_policy"], c["base_num_decoder_layers"])
     auto_chunks(c)

@@ -7,6 +7,7 @@ Shape suffixes: M rows, D in, F out, G groups, A assignments.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -48,15 +49,53 @@ def row_bias(bias_GxF, group_sizes_G, rows: int, dtype):
 
 
 def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None):
-    """x times its group's w (plus its group's bias, if any). `megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and tgmm for the weight gradient).
+    """x times its group's w (plus its group's bias, if any). `tokamax`: Tokamax's ragged_dot (its Pallas
+    kernels on TPU, tokamax_ragged_dot). `megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and
+    tgmm for the weight gradient).
     `ragged_dot`: XLA's grouped matmul (GPU); XLA:TPU forms its weight gradient through a [groups, rows,
     width] mask (gigabytes a layer at Mixtral's size) and XLA:CPU expands it into a dense matmul per group
     (G times the work), so on CPU `blocked` walks blocks of rows, one group each."""
-    if method == "ragged_dot":
-        y_MxF = jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
+    if method in ("ragged_dot", "tokamax"):
+        matmul = jax.lax.ragged_dot if method == "ragged_dot" else tokamax_ragged_dot
+        y_MxF = matmul(x_MxD, w_GxDxF, group_sizes_G)
         return y_MxF if bias_GxF is None else y_MxF + row_bias(bias_GxF, group_sizes_G, x_MxD.shape[0], y_MxF.dtype)
     run = megablox_swiglu if method == "megablox" else blocked_swiglu
     return run(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0), (bias_GxF,))
+
+
+# Tokamax's ragged_dot for the platform the step is traced for: its Pallas kernels on TPU and GPU, XLA's
+# ragged_dot elsewhere (which it equals exactly on CPU). Not its TPU grouped matmul v2: for Mixtral 8x7B's
+# down projection (k 14,336) on v5p, Tokamax 0.0.17 tiles the whole k (tk 14336) and Mosaic refuses the
+# kernel (60 MiB of scoped VMEM over a 57.6 MiB limit).
+TOKAMAX_IMPLEMENTATION = {"tpu": "mosaic_tpu", "gpu": "mosaic_gpu"}
+
+
+def tokamax_ragged_dot(x_MxD, w_GxDxF, group_sizes_G):
+    """Tokamax's grouped matmul; rows past the groups give 0 (its TPU kernel leaves them unwritten)."""
+    import tokamax  # imported on first use: it imports Pallas, which slows every start
+    # Tokamax takes the first implementation that does not refuse the shapes: its TPU kernel wants widths
+    # of at least 128, and a narrower (test-sized) model gets XLA's
+    kernel = TOKAMAX_IMPLEMENTATION.get(traced_platform())
+    y_MxF = tokamax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G, implementation=(kernel, "xla") if kernel else "xla")
+    in_group_Mx1 = (jnp.arange(x_MxD.shape[0]) < jnp.sum(group_sizes_G))[:, None]
+    return jnp.where(in_group_Mx1, y_MxF, 0)
+
+
+def cross_compiling(method: str):
+    """A context for tracing a step for another platform's devices (an ahead-of-time compile for TPU from
+    a CPU process): Tokamax then does not check this machine's devices, here and in the gradient's
+    kernels, which are traced later, outside tokamax_ragged_dot."""
+    if method != "tokamax":
+        return contextlib.nullcontext()
+    import tokamax
+    return tokamax.config.cross_compile(True)
+
+
+def traced_platform() -> str:
+    """The platform the step is traced for: the mesh's devices (TPU ones under an ahead-of-time compile
+    for a topology, from a CPU process), else this process's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
 
 
 def megablox_swiglu(xs_MxD, group_sizes_G, weights, body, biases=()):

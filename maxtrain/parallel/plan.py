@@ -35,7 +35,7 @@ class Plan:
     attention: str  # a kernel of attention.KERNELS, or splash
     mlp_chunk: int  # positions per chunk of a dense MLP; 0 = the whole sequence at once
     moe_chunk: int  # the same for an MoE layer's experts
-    moe_grouped_matmul: str  # megablox | ragged_dot | blocked (maxtrain.ops.grouped_matmul)
+    moe_grouped_matmul: str  # tokamax | megablox | ragged_dot | blocked (maxtrain.ops.grouped_matmul)
     remat_policy: str  # a name in remat.POLICIES
     scan_unroll: int  # layers per iteration of the scanned loop
     context_load_balance: bool  # under context parallelism the batch is in attention.zigzag_order
