@@ -100,15 +100,17 @@ def test_the_ring_passes_blocks_and_gathers_no_sequence(tiny_config):
     assert collectives("ring", "collective-permute").count("f32[8,8,8,8]") >= 2 * (7 + 8)
 
 
-@pytest.mark.parametrize("balance", BALANCE)
-@pytest.mark.parametrize("mesh", ["context2", "context2xtensor2xdata2"])
-def test_splash_under_context_parallelism_trains_the_same(train_tiny, tmp_path_factory, documents, mesh, balance):
+@pytest.mark.parametrize("kernel,mesh,balance", [
+    ("splash", mesh, balance) for mesh in ("context2", "context2xtensor2xdata2") for balance in BALANCE] + [
+    ("tokamax_splash", "context2xtensor2xdata2", "balanced")])
+def test_splash_under_context_parallelism_trains_the_same(train_tiny, tmp_path_factory, documents, kernel, mesh,
+                                                          balance):
     """The Pallas kernel (interpret mode on CPU) on each device's queries against the gathered keys, its
     block map split by query shard; packed documents, so the segment ids travel too. 256 tokens: splash
     takes each device's share in blocks of 128."""
     splash = (*MODEL, *documents, "max_target_length=256", "steps=3")
     losses = train_tiny(*splash, *MESHES[mesh], *BALANCE[balance], "per_device_batch_size=1",
-                        "attention=splash")["losses"]
+                        f"attention={kernel}")["losses"]
     np.testing.assert_allclose(losses, reference_losses(tmp_path_factory, *splash), rtol=RTOL)
 
 

@@ -47,7 +47,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "wsd_decay_style": ("linear", "cosine"),
     "dataset_type": ("synthetic", "prepared", "text", "parquet", "array_record"),
     "tokenizer_type": ("byte", "sentencepiece", "huggingface"),
-    "attention": ("auto", "dot_product", "blockwise", "jax_nn", "splash"),
+    "attention": ("auto", "dot_product", "blockwise", "jax_nn", "splash", "tokamax_splash"),
     "context_parallel_strategy": ("all_gather", "ring"),
     "distributed_init": ("auto", "true", "false"),
     "nan_policy": ("skip", "stop", "rollback"),

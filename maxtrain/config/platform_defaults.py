@@ -11,6 +11,7 @@ from typing import Any
 from maxtrain.models import quantization, registry
 from maxtrain.config.keys import ConfigError
 from maxtrain.models.parts import padded_vocab
+from maxtrain.ops.attention import SPLASH
 from maxtrain.parallel import rules
 
 
@@ -106,7 +107,7 @@ def attention_summary(c) -> str:
     if c.context_parallel_strategy == "ring":  # every kernel gives way to the ring (maxtrain.parallel.ring)
         return f"ring over {shards} devices"
     # splash runs on each device against the gathered keys; the other kernels give way to context_parallel's
-    return f"{'splash, ' if c.attention == 'splash' else ''}all_gather over {shards} devices"
+    return f"{c.attention + ', ' if c.attention in SPLASH else ''}all_gather over {shards} devices"
 
 
 def window_summary(c) -> str:

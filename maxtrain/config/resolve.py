@@ -16,6 +16,7 @@ import jax
 from maxtrain.config import platform_defaults, run_name as run_name_lib, validate
 from maxtrain.config.load import Config, defaults
 from maxtrain.config.keys import INT_MAX, ConfigError, parallelism_key
+from maxtrain.ops.attention import SPLASH
 from maxtrain.parallel import rules as rules_lib
 from maxtrain.parallel.mesh import MESH_AXES
 from maxtrain.parallel.plan import Plan
@@ -151,8 +152,9 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
         if c[key] > 0 and share % c[key]:
             raise ConfigError(key, f"{c[key]} must divide each device's share of the sequence: {split}")
     c.update(platform_defaults.choose(c, platform))
-    if c["attention"] == "splash" and share % 128:
-        raise ConfigError("attention", f"splash needs each device's share of the sequence in blocks of 128: {split}")
+    if c["attention"] in SPLASH and share % 128:
+        raise ConfigError("attention", f"{c['attention']} needs each device's share of the sequence in blocks of 128: "
+                                       f"{split}")
     return Resolved(c)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from maxtrain.config.keys import (CHOICES, parallelism_key, METRICS_BACKENDS, PATH_KEYS, POSITIVE_INTS, RUN_NAME,
                                   UPPER_BOUNDS, ConfigError)
 from maxtrain.config.data_sources import validate_sources
+from maxtrain.ops.attention import SPLASH
 from maxtrain.parallel.mesh import MESH_AXES
 from maxtrain.models import quantization, registry, stacks as stacks_lib
 from maxtrain.runtime import base_yml, storage
@@ -68,8 +69,9 @@ def validate(c: dict[str, Any]) -> None:
     for key in ("loss_chunk_size", "mlp_chunk_size"):
         if c[key] < -1 or (c[key] > 0 and c["max_target_length"] % c[key]):
             raise ConfigError(key, f"must be -1 (auto), 0 or divide max_target_length={c['max_target_length']}")
-    if c["attention"] == "splash" and c["max_target_length"] % 128:
-        raise ConfigError("attention", f"splash needs max_target_length divisible by 128, got {c['max_target_length']}")
+    if c["attention"] in SPLASH and c["max_target_length"] % 128:
+        raise ConfigError("attention", f"{c['attention']} needs max_target_length divisible by 128, got "
+                                       f"{c['max_target_length']}")
     if c["rope_theta"] <= 0:
         raise ConfigError("rope_theta", "must be > 0")
     if c["rope_scaling_factor"] < 1:

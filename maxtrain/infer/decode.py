@@ -33,6 +33,7 @@ from maxtrain.infer.kv_cache import KVCache, bytes_per_slot
 from maxtrain.infer.sampling import Sampling
 from maxtrain.models import quantization, registry, stacks as stacks_lib
 from maxtrain.models.decoder import output_logits
+from maxtrain.ops.attention import SPLASH
 from maxtrain.observe import fit, summary
 from maxtrain.parallel import mesh as mesh_lib, rules as rules_lib
 
@@ -82,7 +83,7 @@ class Engine:
                                                          self.rules)
         self.batch_shards = rules_lib.shards(self.rules, "batch", c.mesh_shape)
         seq_shards = rules_lib.sequence_shards(c.logical_axis_rules, c.mesh_shape)
-        self.multiple = math.lcm(PROMPT_MULTIPLE, seq_shards * (128 if c.attention == "splash" else 1))
+        self.multiple = math.lcm(PROMPT_MULTIPLE, seq_shards * (128 if c.attention in SPLASH else 1))
         self._compiled: dict = {}
 
     # ---- the parameters as decoding runs them

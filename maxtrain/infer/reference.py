@@ -11,6 +11,7 @@ import numpy as np
 
 from maxtrain.infer.sampling import Sampling
 from maxtrain.models.decoder import output_logits
+from maxtrain.ops.attention import SPLASH
 from maxtrain.parallel import pipeline, rules as rules_lib
 
 
@@ -38,7 +39,7 @@ def full_rerun(c, trainer, params, prompt_ids: list[int], max_new_tokens: int, s
     """New ids after one prompt (greedy unless `sampling` says otherwise). Call under the trainer's mesh."""
     start, total = len(prompt_ids), len(prompt_ids) + max_new_tokens
     seq_shards = rules_lib.sequence_shards(c.logical_axis_rules, c.mesh_shape)
-    multiple = seq_shards * (128 if c.attention == "splash" else 1)  # each device's share whole
+    multiple = seq_shards * (128 if c.attention in SPLASH else 1)  # each device's share whole
     total = -(-total // multiple) * multiple
     rows = rules_lib.shards(c.logical_axis_rules, "batch", c.mesh_shape)
     buffer_RxT = np.zeros((rows, total), np.int32)

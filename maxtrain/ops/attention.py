@@ -290,30 +290,46 @@ def jax_nn(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant: Variant = 
 
 
 def splash_kernel(places, residual_name, heads: int, q_shards: int = 1, interpret: bool = False,
-                  variant: Variant = PLAIN):
+                  variant: Variant = PLAIN, library: str = "jax"):
     """Splash for queries at `places` of the sequence (len(places) of them) against the whole sequence's
     keys in order, causal (and within variant.window); q_shards > 1: the queries split into that many
     contiguous shards over devices, each against all the keys (context parallelism). `interpret`: Pallas'
-    interpreter, off TPU (tests). The caller scales q (splash does not)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    interpreter, off TPU (tests). The caller scales q (splash does not). `library`: jax (JAX's Pallas
+    ops, attention=splash) or tokamax (Tokamax's fork of them, attention=tokamax_splash: one mask for
+    every head, its options in a SplashConfig)."""
+    splash, masks = _splash_modules(library)
     length = len(places)
     per_shard = length // q_shards
     block = next((b for b in (512, 256, 128) if per_shard % b == 0), per_shard)  # tests: any small size
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
-                              block_kv_dq=block)
-    mask = _placed_causal_mask_type()((length, length), places, variant.window)
+    sizes = dict(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+                 block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    mask = _placed_causal_mask_type(library)((length, length), places, variant.window)
+    if library == "tokamax":
+        config = splash.SplashConfig(**sizes, residual_checkpoint_name=residual_name, interpret=interpret,
+                                     attn_logits_soft_cap=variant.softcap or None)
+        return splash.make_splash_mha(mask, config=config, q_seq_shards=q_shards)
     return splash.make_splash_mha(
-        masks.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=q_shards,
-        residual_checkpoint_name=residual_name, interpret=interpret,
+        masks.MultiHeadMask([mask] * heads), block_sizes=splash.BlockSizes(**sizes), head_shards=1,
+        q_seq_shards=q_shards, residual_checkpoint_name=residual_name, interpret=interpret,
         attn_logits_soft_cap=variant.softcap or None)
 
 
+def _splash_modules(library: str):
+    """(the kernel module, the mask module) of a library's splash; imported on first use: importing
+    Pallas would slow every start."""
+    if library == "tokamax":
+        from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as splash
+        from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_mask as masks
+    else:
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    return splash, masks
+
+
 @functools.cache
-def _placed_causal_mask_type():
-    """Built on first use, as splash is imported: importing Pallas would slow every start."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+def _placed_causal_mask_type(library: str = "jax"):
+    """Built on first use, as splash is imported (_splash_modules)."""
+    masks = _splash_modules(library)[1]
 
     class PlacedCausalMask(masks.CausalMask):
         """Causal (and with a window, distance < window), for queries at the given places of the sequence
@@ -349,10 +365,11 @@ def _placed_causal_mask_type():
     return PlacedCausalMask
 
 
-def run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL=None, sinks_H=None):
+def run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL=None, sinks_H=None,
+               library: str = "jax"):
     """The kernel over the batch; `sinks_H` (float32, one per query head, or None) join each softmax's
     denominator (the kernel's own support: the sink starts the running max and sum)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    splash = _splash_modules(library)[0]
     segment_ids_BxL = segment_ids_BxQ if segment_ids_BxL is None else segment_ids_BxL
     segment_ids = splash.SegmentIds(q=segment_ids_BxQ, kv=segment_ids_BxL)
     if sinks_H is None:
@@ -366,6 +383,9 @@ def unzigzag(x, axis: int, shards: int):
     chunks = jnp.split(x, 2 * shards, axis=axis)
     return jnp.concatenate([chunks[i] for i in np.argsort(zigzag_order(2 * shards, shards))], axis=axis)
 
+
+# The splash kernels, by attention= value: the library each comes from (both run per shard).
+SPLASH = {"splash": "jax", "tokamax_splash": "tokamax"}
 
 # The kernels that run whole on each device (splash runs per shard: maxtrain.parallel.context).
 KERNELS = {"dot_product": dot_product, "blockwise": blockwise, "jax_nn": jax_nn}

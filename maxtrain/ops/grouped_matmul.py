@@ -48,16 +48,16 @@ def row_bias(bias_GxF, group_sizes_G, rows: int, dtype):
     return jax.nn.one_hot(group_M, g, dtype=dtype) @ bias_GxF.astype(dtype)
 
 
-def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None):
+def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None, platform: str = "cpu"):
     """x times its group's w (plus its group's bias, if any). `tokamax`: Tokamax's ragged_dot (its Pallas
-    kernels on TPU, tokamax_ragged_dot). `megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and
+    kernels on the devices of `platform`, tokamax_ragged_dot). `megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and
     tgmm for the weight gradient).
     `ragged_dot`: XLA's grouped matmul (GPU); XLA:TPU forms its weight gradient through a [groups, rows,
     width] mask (gigabytes a layer at Mixtral's size) and XLA:CPU expands it into a dense matmul per group
     (G times the work), so on CPU `blocked` walks blocks of rows, one group each."""
     if method in ("ragged_dot", "tokamax"):
-        matmul = jax.lax.ragged_dot if method == "ragged_dot" else tokamax_ragged_dot
-        y_MxF = matmul(x_MxD, w_GxDxF, group_sizes_G)
+        y_MxF = (jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G) if method == "ragged_dot"
+                 else tokamax_ragged_dot(x_MxD, w_GxDxF, group_sizes_G, platform))
         return y_MxF if bias_GxF is None else y_MxF + row_bias(bias_GxF, group_sizes_G, x_MxD.shape[0], y_MxF.dtype)
     run = megablox_swiglu if method == "megablox" else blocked_swiglu
     return run(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0), (bias_GxF,))
@@ -70,12 +70,13 @@ def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None):
 TOKAMAX_IMPLEMENTATION = {"tpu": "mosaic_tpu", "gpu": "mosaic_gpu"}
 
 
-def tokamax_ragged_dot(x_MxD, w_GxDxF, group_sizes_G):
-    """Tokamax's grouped matmul; rows past the groups give 0 (its TPU kernel leaves them unwritten)."""
+def tokamax_ragged_dot(x_MxD, w_GxDxF, group_sizes_G, platform: str):
+    """Tokamax's grouped matmul for the devices of `platform`; rows past the groups give 0 (its TPU kernel
+    leaves them unwritten)."""
     import tokamax  # imported on first use: it imports Pallas, which slows every start
     # Tokamax takes the first implementation that does not refuse the shapes: its TPU kernel wants widths
     # of at least 128, and a narrower (test-sized) model gets XLA's
-    kernel = TOKAMAX_IMPLEMENTATION.get(traced_platform())
+    kernel = TOKAMAX_IMPLEMENTATION.get(platform)
     y_MxF = tokamax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G, implementation=(kernel, "xla") if kernel else "xla")
     in_group_Mx1 = (jnp.arange(x_MxD.shape[0]) < jnp.sum(group_sizes_G))[:, None]
     return jnp.where(in_group_Mx1, y_MxF, 0)
@@ -89,13 +90,6 @@ def cross_compiling(method: str):
         return contextlib.nullcontext()
     import tokamax
     return tokamax.config.cross_compile(True)
-
-
-def traced_platform() -> str:
-    """The platform the step is traced for: the mesh's devices (TPU ones under an ahead-of-time compile
-    for a topology, from a CPU process), else this process's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
 
 
 def megablox_swiglu(xs_MxD, group_sizes_G, weights, body, biases=()):

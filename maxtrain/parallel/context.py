@@ -4,19 +4,22 @@ are in maxtrain.ops.attention."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain.ops.attention import (PLAIN, Variant, attend_blocks, document_mask, run_splash, splash_kernel, unzigzag,
+from maxtrain.ops.attention import (PLAIN, Variant, attend_blocks, document_mask, splash_kernel, unzigzag,
                                    zigzag_order)
+from maxtrain.ops.attention import run_splash as run_kernel
 from maxtrain.parallel import ring
-from maxtrain.parallel.rules import active_mesh, active_spec, length_shards, splits_evenly
+from maxtrain.parallel.rules import active_mesh, active_spec, length_shards, splits_evenly, traced_platform
 
 
 def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None, balanced=False,
-           variant: Variant = PLAIN, sinks_H=None):
+           variant: Variant = PLAIN, sinks_H=None, library: str = "jax"):
     """The splash kernel on each shard (batch, heads and queries split). Under context parallelism each
     device runs it for its queries against the whole sequence's keys and values, gathered and put back
     in sequence order (`balanced`: the batch is in zigzag_order, so each device's queries sit at those
@@ -35,7 +38,9 @@ def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None,
             specs = None  # e.g. the batch-of-1 trace at init, whose attention output is never used
     shards = length_shards() if specs else 1
     places = zigzag_order(length, shards) if balanced and shards > 1 else np.arange(length)
-    kernel = splash_kernel(places, residual_name, h, shards, interpret=_platform() != "tpu", variant=variant)
+    kernel = splash_kernel(places, residual_name, h, shards, interpret=traced_platform() != "tpu", variant=variant,
+                           library=library)
+    run_splash = functools.partial(run_kernel, library=library)
     if specs is None:
         return to_heads_major(run_splash(kernel, *args, sinks_H=sinks_H))
     length_axes = specs[3][1]
@@ -52,18 +57,13 @@ def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None,
 
     # A Pallas kernel is not partitioned by XLA: run it on each shard; the kernel's block map travels
     # with it, each device taking its queries' rows.
-    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, PartitionSpec(None, length_axes)))
+    # jax's block map is per head [H, Q blocks, K blocks]; Tokamax's, one mask for every head, has no heads
+    by_rows = PartitionSpec(length_axes) if library == "tokamax" else PartitionSpec(None, length_axes)
+    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, by_rows))
     sinks_spec = PartitionSpec(specs[0][1])  # each device's query heads' sinks
     out_BxHxLxK = jax.shard_map(local, in_specs=(kernel_spec, *specs, sinks_spec), out_specs=specs[0],
                                 check_vma=False)(kernel, *args, sinks_H)
     return to_heads_major(out_BxHxLxK)
-
-
-def _platform() -> str:
-    """The platform the step is traced for: the mesh's devices (TPU ones under an ahead-of-time compile
-    for a topology, from a CPU process), else this process's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
 
 
 def context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL, variant: Variant = PLAIN,

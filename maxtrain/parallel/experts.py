@@ -22,7 +22,7 @@ from maxtrain.parallel import remat
 from maxtrain.parallel.axes import ACTIVATION_AXES, EXPERT_WEIGHT_AXES
 from maxtrain.ops.grouped_matmul import blocked_swiglu, grouped_matmul, megablox_swiglu, permute_rows, sort_by_group
 from maxtrain.parallel.chunks import merge_chunks, split_chunks
-from maxtrain.parallel.rules import active_axes, splits_evenly
+from maxtrain.parallel.rules import active_axes, splits_evenly, traced_platform
 
 
 def silu_glu(gate, up):
@@ -99,8 +99,9 @@ def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, biases
         if matmul in ("blocked", "megablox"):
             run = blocked_swiglu if matmul == "blocked" else megablox_swiglu
             return run(xs_MxD, group_sizes_G, (gate_GxDxF, up_GxDxF, down_GxFxD), swiglu, biases)
-        return swiglu(xs_MxD, lambda x, i: grouped_matmul(x, (gate_GxDxF, up_GxDxF, down_GxFxD)[i],
-                                                         group_sizes_G, matmul, biases[i] if i < len(biases) else None))
+        return swiglu(xs_MxD, lambda x, i: grouped_matmul(x, (gate_GxDxF, up_GxDxF, down_GxFxD)[i], group_sizes_G,
+                                                         matmul, biases[i] if i < len(biases) else None,
+                                                         traced_platform()))
 
     peers = _size(expert_axes)
     order_A, inverse_A, sizes_E = sort_by_group(experts_A, local_experts * peers)

@@ -32,7 +32,7 @@ REFERENCE = {"attention": "dot_product", "moe_grouped_matmul": "blocked", "scan_
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Every field from the config (base.yml holds the defaults): none of its own."""
-    attention: str  # a kernel of attention.KERNELS, or splash
+    attention: str  # a kernel of attention.KERNELS, or one of attention.SPLASH
     mlp_chunk: int  # positions per chunk of a dense MLP; 0 = the whole sequence at once
     moe_chunk: int  # the same for an MoE layer's experts
     moe_grouped_matmul: str  # tokamax | megablox | ragged_dot | blocked (maxtrain.ops.grouped_matmul)
@@ -75,9 +75,9 @@ class Plan:
         if variant.chunked:
             segment_ids_BxL = attention.chunk_segments(segment_ids_BxL, positions_BxL, variant.window)
         ring = self.context_strategy == "ring" and length_shards() > 1
-        if self.attention == "splash" and not ring:
+        if self.attention in attention.SPLASH and not ring:
             return context.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
-                                  self.context_load_balance, variant, sinks_H)
+                                  self.context_load_balance, variant, sinks_H, attention.SPLASH[self.attention])
         if length_shards() > 1:
             return context.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
                                             variant, sinks_H, self.context_load_balance, self.context_strategy)

@@ -136,6 +136,13 @@ def _active() -> tuple[Any, tuple]:
     return (None, ()) if mesh.empty or not rules else (mesh, tuple(rules))
 
 
+def traced_platform() -> str:
+    """The platform the step is traced for: the mesh's devices (TPU ones under an ahead-of-time compile
+    for a topology, from a CPU process), else this process's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
+
+
 def active_mesh():
     """The mesh in scope with its rules, or None."""
     return _active()[0]
