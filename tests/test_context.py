@@ -255,7 +255,8 @@ def test_splash_block_map_of_the_load_balanced_layout():
     (("max_target_length=256", "attention=splash"), 200),  # a 256-token buffer: splash's blocks per device
     (("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0"), 62),
     (("context_parallel_strategy=ring",), 62),  # the prompt's prefill round the ring
-], ids=["splash", "moe-capacity", "ring"])
+    (("max_target_length=256", "attention=tokamax_splash"), 200),
+], ids=["splash", "moe-capacity", "ring", "tokamax_splash"])
 def test_generation_under_context_parallelism_matches_one_device(tiny_config, model, prompt_length):
     """Decoding's prefill is in sequence order (not training's load-balanced layout) and padded to what the
     context axis and splash take; the decode steps run on every context device alike: the same greedy tokens
@@ -268,3 +269,15 @@ def test_generation_under_context_parallelism_matches_one_device(tiny_config, mo
             params = trainer.init(jax.random.key(0)).params
         return decode(c, trainer, params, [[i % 250 + 1 for i in range(prompt_length)]], 4)[0]
     assert tokens(jax.devices(), "ici_context_parallelism=2") == tokens(jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh", [(), ("ici_context_parallelism=2",)], ids=["fsdp8", "context2xfsdp4"])
+def test_tokamax_splash_decodes_the_same_greedy_tokens_as_splash(tiny_config, mesh):
+    """The same parameters, prompt and greedy decoding under JAX's splash and Tokamax's (interpreted)."""
+    def tokens(kernel):
+        c = tiny_config("max_target_length=256", f"attention={kernel}", *mesh)
+        trainer = step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()))
+        with mesh_lib.activate(trainer.mesh, trainer.rules):
+            params = trainer.init(jax.random.key(0)).params
+        return decode(c, trainer, params, [[i % 250 + 1 for i in range(200)]], 6)[0]
+    assert tokens("tokamax_splash") == tokens("splash")
