@@ -50,14 +50,16 @@ def row_bias(bias_GxF, group_sizes_G, rows: int, dtype):
 
 def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None, platform: str = "cpu"):
     """x times its group's w (plus its group's bias, if any). `tokamax`: Tokamax's ragged_dot (its Pallas
-    kernels on the devices of `platform`, tokamax_ragged_dot). `megablox`: JAX's Pallas grouped-matmul kernels for TPU (gmm, and
-    tgmm for the weight gradient).
+    kernels on the devices of `platform`, tokamax_ragged_dot). `megablox`: JAX's Pallas grouped-matmul
+    kernels for TPU (gmm, and tgmm for the weight gradient).
     `ragged_dot`: XLA's grouped matmul (GPU); XLA:TPU forms its weight gradient through a [groups, rows,
     width] mask (gigabytes a layer at Mixtral's size) and XLA:CPU expands it into a dense matmul per group
     (G times the work), so on CPU `blocked` walks blocks of rows, one group each."""
     if method in ("ragged_dot", "tokamax"):
-        y_MxF = (jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G) if method == "ragged_dot"
-                 else tokamax_ragged_dot(x_MxD, w_GxDxF, group_sizes_G, platform))
+        if method == "ragged_dot":
+            y_MxF = jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
+        else:
+            y_MxF = tokamax_ragged_dot(x_MxD, w_GxDxF, group_sizes_G, platform)
         return y_MxF if bias_GxF is None else y_MxF + row_bias(bias_GxF, group_sizes_G, x_MxD.shape[0], y_MxF.dtype)
     run = megablox_swiglu if method == "megablox" else blocked_swiglu
     return run(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0), (bias_GxF,))

@@ -4,16 +4,13 @@ are in maxtrain.ops.attention."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain.ops.attention import (PLAIN, Variant, attend_blocks, document_mask, splash_kernel, unzigzag,
+from maxtrain.ops.attention import (PLAIN, Variant, attend_blocks, document_mask, run_splash, splash_kernel, unzigzag,
                                    zigzag_order)
-from maxtrain.ops.attention import run_splash as run_kernel
 from maxtrain.parallel import ring
 from maxtrain.parallel.rules import active_mesh, active_spec, length_shards, splits_evenly, traced_platform
 
@@ -40,20 +37,20 @@ def splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, residual_name=None,
     places = zigzag_order(length, shards) if balanced and shards > 1 else np.arange(length)
     kernel = splash_kernel(places, residual_name, h, shards, interpret=traced_platform() != "tpu", variant=variant,
                            library=library)
-    run_splash = functools.partial(run_kernel, library=library)
     if specs is None:
-        return to_heads_major(run_splash(kernel, *args, sinks_H=sinks_H))
+        return to_heads_major(run_splash(kernel, *args, sinks_H=sinks_H, library=library))
     length_axes = specs[3][1]
 
     def local(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ, sinks_H):
         if shards == 1:
-            return run_splash(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ, sinks_H=sinks_H)
+            return run_splash(kernel, q_BxHxQxK, k_BxNxCxK, v_BxNxCxK, segment_ids_BxQ, sinks_H=sinks_H,
+                              library=library)
         gather = lambda x, axis: jax.lax.all_gather(x, length_axes, axis=axis, tiled=True)  # noqa: E731
         k_BxNxLxK, v_BxNxLxK, segment_ids_BxL = gather(k_BxNxCxK, 2), gather(v_BxNxCxK, 2), gather(segment_ids_BxQ, 1)
         if balanced:  # back to sequence order
             k_BxNxLxK, v_BxNxLxK = unzigzag(k_BxNxLxK, 2, shards), unzigzag(v_BxNxLxK, 2, shards)
             segment_ids_BxL = unzigzag(segment_ids_BxL, 1, shards)
-        return run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL, sinks_H)
+        return run_splash(kernel, q_BxHxQxK, k_BxNxLxK, v_BxNxLxK, segment_ids_BxQ, segment_ids_BxL, sinks_H, library)
 
     # A Pallas kernel is not partitioned by XLA: run it on each shard; the kernel's block map travels
     # with it, each device taking its queries' rows.

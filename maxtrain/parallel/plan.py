@@ -74,11 +74,11 @@ class Plan:
         start, so chunks do too)."""
         if variant.chunked:
             segment_ids_BxL = attention.chunk_segments(segment_ids_BxL, positions_BxL, variant.window)
-        ring = self.context_strategy == "ring" and length_shards() > 1
-        if self.attention in attention.SPLASH and not ring:
+        split = length_shards() > 1
+        if self.attention in attention.SPLASH and not (split and self.context_strategy == "ring"):
             return context.splash(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, remat.CONTEXT,
                                   self.context_load_balance, variant, sinks_H, attention.SPLASH[self.attention])
-        if length_shards() > 1:
+        if split:
             return context.context_parallel(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, positions_BxL,
                                             variant, sinks_H, self.context_load_balance, self.context_strategy)
         return attention.KERNELS[self.attention](q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, variant, sinks_H)
