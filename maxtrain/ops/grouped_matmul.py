@@ -8,6 +8,7 @@ Shape suffixes: M rows, D in, F out, G groups, A assignments.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -50,19 +51,24 @@ def row_bias(bias_GxF, group_sizes_G, rows: int, dtype):
 
 def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None, platform: str = "cpu"):
     """x times its group's w (plus its group's bias, if any). `tokamax`: Tokamax's ragged_dot (its Pallas
-    kernels on the devices of `platform`, tokamax_ragged_dot). `megablox`: JAX's Pallas grouped-matmul
+    kernels on the devices of `platform`, tokamax_swiglu). `megablox`: JAX's Pallas grouped-matmul
     kernels for TPU (gmm, and tgmm for the weight gradient).
     `ragged_dot`: XLA's grouped matmul (GPU); XLA:TPU forms its weight gradient through a [groups, rows,
     width] mask (gigabytes a layer at Mixtral's size) and XLA:CPU expands it into a dense matmul per group
     (G times the work), so on CPU `blocked` walks blocks of rows, one group each."""
-    if method in ("ragged_dot", "tokamax"):
-        if method == "ragged_dot":
-            y_MxF = jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
-        else:
-            y_MxF = tokamax_ragged_dot(x_MxD, w_GxDxF, group_sizes_G, platform)
+    if method == "ragged_dot":
+        y_MxF = jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
         return y_MxF if bias_GxF is None else y_MxF + row_bias(bias_GxF, group_sizes_G, x_MxD.shape[0], y_MxF.dtype)
-    run = megablox_swiglu if method == "megablox" else blocked_swiglu
-    return run(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0), (bias_GxF,))
+    return grouped_swiglu(method, platform)(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0),
+                                            (bias_GxF,))
+
+
+def grouped_swiglu(method: str, platform: str):
+    """The function that runs `body(x, matmul)` on rows sorted by group, `matmul(x, i)` multiplying by
+    weights[i] (tokamax_swiglu, megablox_swiglu or blocked_swiglu's signature)."""
+    if method == "tokamax":
+        return functools.partial(tokamax_swiglu, platform=platform)
+    return megablox_swiglu if method == "megablox" else blocked_swiglu
 
 
 # Tokamax's ragged_dot for the platform the step is traced for: its Pallas kernels on TPU and GPU, XLA's
@@ -72,22 +78,28 @@ def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None, pl
 TOKAMAX_IMPLEMENTATION = {"tpu": "mosaic_tpu", "gpu": "mosaic_gpu"}
 
 
-def tokamax_ragged_dot(x_MxD, w_GxDxF, group_sizes_G, platform: str):
-    """Tokamax's grouped matmul for the devices of `platform`; rows past the groups give 0 (its TPU kernel
-    leaves them unwritten)."""
+def tokamax_swiglu(xs_MxD, group_sizes_G, weights, body, biases=(), *, platform: str):
+    """`body(x, matmul)` with Tokamax's ragged_dot for the devices of `platform`: rows past the groups
+    selected away at the two ends of `body` only, as megablox_swiglu (its TPU kernels leave them unwritten,
+    and a select after each matmul kept a second copy of each output alive at the peak: gpt-oss-120b on
+    v5p-128, fsdp 64, 1.26 GiB a chip)."""
     import tokamax  # imported on first use: it imports Pallas, which slows every start
     # Tokamax takes the first implementation that does not refuse the shapes: its TPU kernel wants widths
     # of at least 128, and a narrower (test-sized) model gets XLA's
     kernel = TOKAMAX_IMPLEMENTATION.get(platform)
-    y_MxF = tokamax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G, implementation=(kernel, "xla") if kernel else "xla")
-    in_group_Mx1 = (jnp.arange(x_MxD.shape[0]) < jnp.sum(group_sizes_G))[:, None]
-    return jnp.where(in_group_Mx1, y_MxF, 0)
+    in_group_Mx1 = (jnp.arange(xs_MxD.shape[0]) < jnp.sum(group_sizes_G))[:, None]
+
+    def matmul(x_MxK, i):
+        y_MxN = tokamax.ragged_dot(x_MxK, weights[i], group_sizes_G, implementation=(kernel, "xla") if kernel else "xla")
+        b = biases[i] if i < len(biases) else None
+        return y_MxN if b is None else y_MxN + row_bias(b, group_sizes_G, x_MxK.shape[0], y_MxN.dtype)
+    return jnp.where(in_group_Mx1, body(jnp.where(in_group_Mx1, xs_MxD, 0), matmul), 0)
 
 
 def cross_compiling(method: str):
     """A context for tracing a step for another platform's devices (an ahead-of-time compile for TPU from
     a CPU process): Tokamax then does not check this machine's devices, here and in the gradient's
-    kernels, which are traced later, outside tokamax_ragged_dot."""
+    kernels, which are traced later, outside tokamax_swiglu."""
     if method != "tokamax":
         return contextlib.nullcontext()
     import tokamax

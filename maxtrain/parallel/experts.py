@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from maxtrain.parallel import remat
 from maxtrain.parallel.axes import ACTIVATION_AXES, EXPERT_WEIGHT_AXES
-from maxtrain.ops.grouped_matmul import blocked_swiglu, grouped_matmul, megablox_swiglu, permute_rows, sort_by_group
+from maxtrain.ops.grouped_matmul import grouped_matmul, grouped_swiglu, permute_rows, sort_by_group
 from maxtrain.parallel.chunks import merge_chunks, split_chunks
 from maxtrain.parallel.rules import active_axes, splits_evenly, traced_platform
 
@@ -95,13 +95,12 @@ def _route_and_compute(x_BxLxD, experts_BxLxK, weights_BxLxK, *, weights, biases
         up = checkpoint_name(gmm(x, 1), remat.MLP_IN)
         return checkpoint_name(gmm(activation(gate, up), 2), remat.MLP_OUT)
 
-    def mlp(xs_MxD, group_sizes_G):  # blocked and megablox pad once for the three matmuls
-        if matmul in ("blocked", "megablox"):
-            run = blocked_swiglu if matmul == "blocked" else megablox_swiglu
+    def mlp(xs_MxD, group_sizes_G):  # blocked, megablox and tokamax pad or select once for the three matmuls
+        if matmul != "ragged_dot":
+            run = grouped_swiglu(matmul, traced_platform())
             return run(xs_MxD, group_sizes_G, (gate_GxDxF, up_GxDxF, down_GxFxD), swiglu, biases)
         return swiglu(xs_MxD, lambda x, i: grouped_matmul(x, (gate_GxDxF, up_GxDxF, down_GxFxD)[i], group_sizes_G,
-                                                         matmul, biases[i] if i < len(biases) else None,
-                                                         traced_platform()))
+                                                         matmul, biases[i] if i < len(biases) else None))
 
     peers = _size(expert_axes)
     order_A, inverse_A, sizes_E = sort_by_group(experts_A, local_experts * peers)
