@@ -14,15 +14,18 @@ median, with the range; tokens/s, MFU and the peaks come from the median run (th
 for an even N). The AOT
 rows compile for v5p-128 through `maxtrain.compile` (needs the tpu extra); `--rows` naming some of them
 runs only those. MaxText's figures from the
-issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2) and are quoted; with
+issue were measured on another machine of this kind (2 CPU cores, jax 0.10.2 then) and are quoted; with
 --maxtext, MaxText's own train_compile also runs each AOT row, on maxtrain's libtpu ("here"; both
 sides on another one with TPU_LIBRARY_PATH=.../libtpu.so).
 
 `--maxtext PYTHON` also runs MaxText itself on each CPU row, right after maxtrain, on this machine:
 PYTHON is an interpreter with MaxText installed. MaxText needs Python >= 3.12, so, for example:
 
-    python3.12 -m venv /tmp/mt && /tmp/mt/bin/pip install "maxtext[tpu]==0.2.4" jax==0.10.2 jaxlib==0.10.2
+    python3.12 -m venv /tmp/mt && /tmp/mt/bin/pip install "maxtext[tpu]==0.2.4"
     python benchmarks/compare.py --maxtext /tmp/mt/bin/python
+
+MaxText's install resolves jax 0.12.0.1, as maxtrain pins, and libtpu 0.0.52; for the AOT rows on that one
+compiler, set TPU_LIBRARY_PATH=/tmp/mt/lib/python3.12/site-packages/libtpu/libtpu.so.
 
 MaxText logs the wall time between step dispatches; its s/step is the mean of those after three steps
 (compile, and a first step that only queued), over `--steps` steps. "ratio here" is MaxText's s/step
@@ -229,7 +232,8 @@ def maxtext_aot_gib(python, overrides):
     if base_yml is None:
         return float("nan"), f"no maxtext in {python}"
     library = os.environ.get("TPU_LIBRARY_PATH") or os.path.join(os.path.dirname(libtpu.__file__), "libtpu.so")
-    env = {**os.environ, "TPU_LIBRARY_PATH": library, "JAX_PLATFORMS": "cpu"}
+    # as maxtrain.compile: a compile holds no chips, so it need not take libtpu's lockfile (and fail beside another)
+    env = {**os.environ, "TPU_LIBRARY_PATH": library, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     proc = subprocess.run([python, "-m", "maxtext.trainers.pre_train.train_compile", base_yml, *merge_keys(
         AOT_COMMON, ["override_model_config=true", "compile_topology_num_slices=1", "remat_policy=full"], overrides)],
         capture_output=True, text=True, cwd=REPO, env=env)
