@@ -263,9 +263,11 @@ def test_the_tpu_kernel_equals_blocked_in_the_interpreter(monkeypatch, method):
     np.testing.assert_allclose(dw1, dw2, atol=1e-3)
 
 
-def test_the_tpu_kernel_swiglu_masks_only_its_ends(monkeypatch):
-    """megablox_swiglu selects rows past the groups away only before the first and after the last matmul:
-    NaN in those rows of x and of the output's gradient reaches neither the result nor any gradient."""
+@pytest.mark.parametrize("method", ["megablox", "tokamax"])
+def test_the_tpu_kernel_swiglu_masks_only_its_ends(monkeypatch, method):
+    """megablox_swiglu and tokamax_swiglu select rows past the groups away only before the first and after
+    the last matmul: NaN in those rows of x and of the output's gradient reaches neither the result nor any
+    gradient."""
     monkeypatch.setattr(gmm, "MEGABLOX_INTERPRET", True)
     rng = np.random.default_rng(1)
     sizes = jnp.array([60, 0, 100, 7], jnp.int32)  # 89 rows past all groups
@@ -279,7 +281,7 @@ def test_the_tpu_kernel_swiglu_masks_only_its_ends(monkeypatch):
     def run_vjp(run, cotangent):
         y, vjp = jax.vjp(lambda x, ws: run(x, sizes, ws, body), x, ws)
         return y, *vjp(cotangent)
-    y1, dx1, dw1 = run_vjp(gmm.megablox_swiglu, dy)  # NaN in dy's rows past the groups too
+    y1, dx1, dw1 = run_vjp(gmm.grouped_swiglu(method, "cpu"), dy)  # NaN in dy's rows past the groups too
     y2, dx2, dw2 = run_vjp(gmm.blocked_swiglu, jnp.where(jnp.isnan(dy), 0, dy))
     assert not np.any(np.asarray(y1)[167:]) and not np.any(np.asarray(dx1)[167:])
     np.testing.assert_allclose(y1, y2, atol=1e-4)

@@ -87,10 +87,11 @@ def tokamax_swiglu(xs_MxD, group_sizes_G, weights, body, biases=(), *, platform:
     # Tokamax takes the first implementation that does not refuse the shapes: its TPU kernel wants widths
     # of at least 128, and a narrower (test-sized) model gets XLA's
     kernel = TOKAMAX_IMPLEMENTATION.get(platform)
+    implementation = (kernel, "xla") if kernel else "xla"
     in_group_Mx1 = (jnp.arange(xs_MxD.shape[0]) < jnp.sum(group_sizes_G))[:, None]
 
     def matmul(x_MxK, i):
-        y_MxN = tokamax.ragged_dot(x_MxK, weights[i], group_sizes_G, implementation=(kernel, "xla") if kernel else "xla")
+        y_MxN = tokamax.ragged_dot(x_MxK, weights[i], group_sizes_G, implementation=implementation)
         b = biases[i] if i < len(biases) else None
         return y_MxN if b is None else y_MxN + row_bias(b, group_sizes_G, x_MxK.shape[0], y_MxN.dtype)
     return jnp.where(in_group_Mx1, body(jnp.where(in_group_Mx1, xs_MxD, 0), matmul), 0)
