@@ -49,6 +49,11 @@ def row_bias(bias_GxF, group_sizes_G, rows: int, dtype):
     return jax.nn.one_hot(group_M, g, dtype=dtype) @ bias_GxF.astype(dtype)
 
 
+def plus_row_bias(y_MxF, bias_GxF, group_sizes_G):
+    """y plus each row's group's bias (rows sorted by group); y itself where there is no bias."""
+    return y_MxF if bias_GxF is None else y_MxF + row_bias(bias_GxF, group_sizes_G, y_MxF.shape[0], y_MxF.dtype)
+
+
 def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None, platform: str = "cpu"):
     """x times its group's w (plus its group's bias, if any). `tokamax`: Tokamax's ragged_dot (its Pallas
     kernels on the devices of `platform`, tokamax_swiglu). `megablox`: JAX's Pallas grouped-matmul
@@ -58,7 +63,7 @@ def grouped_matmul(x_MxD, w_GxDxF, group_sizes_G, method: str, bias_GxF=None, pl
     (G times the work), so on CPU `blocked` walks blocks of rows, one group each."""
     if method == "ragged_dot":
         y_MxF = jax.lax.ragged_dot(x_MxD, w_GxDxF, group_sizes_G)
-        return y_MxF if bias_GxF is None else y_MxF + row_bias(bias_GxF, group_sizes_G, x_MxD.shape[0], y_MxF.dtype)
+        return plus_row_bias(y_MxF, bias_GxF, group_sizes_G)
     return grouped_swiglu(method, platform)(x_MxD, group_sizes_G, (w_GxDxF,), lambda x, matmul: matmul(x, 0),
                                             (bias_GxF,))
 
@@ -92,8 +97,7 @@ def tokamax_swiglu(xs_MxD, group_sizes_G, weights, body, biases=(), *, platform:
 
     def matmul(x_MxK, i):
         y_MxN = tokamax.ragged_dot(x_MxK, weights[i], group_sizes_G, implementation=implementation)
-        b = biases[i] if i < len(biases) else None
-        return y_MxN if b is None else y_MxN + row_bias(b, group_sizes_G, x_MxK.shape[0], y_MxN.dtype)
+        return plus_row_bias(y_MxN, biases[i] if i < len(biases) else None, group_sizes_G)
     return jnp.where(in_group_Mx1, body(jnp.where(in_group_Mx1, xs_MxD, 0), matmul), 0)
 
 
@@ -109,11 +113,12 @@ def cross_compiling(method: str):
 
 def megablox_swiglu(xs_MxD, group_sizes_G, weights, body, biases=()):
     """`body(x, matmul)` on the rows padded to whole tiles, `matmul(x, i)` JAX's Pallas gmm with weights[i]
-    (tgmm for its gradient), plus each row's group's biases[i] where there is one. The kernels leave rows past the groups unwritten, in the output and in x's
-    gradient, and tgmm reads only rows inside groups; rows never mix between the matmuls. So selecting
-    those rows away at the two ends of `body` keeps them out of every result and gradient (a select, not
-    a product: whatever they hold never reaches a gradient). A select after each matmul kept a second
-    copy of each [rows, expert width] output alive at the step's peak."""
+    (tgmm for its gradient), plus each row's group's biases[i] where there is one. The kernels leave rows
+    past the groups unwritten, in the output and in x's gradient, and tgmm reads only rows inside groups;
+    rows never mix between the matmuls. So selecting those rows away at the two ends of `body` keeps them
+    out of every result and gradient (a select, not a product: whatever they hold never reaches a
+    gradient). A select after each matmul kept a second copy of each [rows, expert width] output alive at
+    the step's peak."""
     from jax.experimental.pallas.ops.tpu.megablox import ops  # TPU only (or interpreted)
 
     m = xs_MxD.shape[0]
@@ -126,8 +131,7 @@ def megablox_swiglu(xs_MxD, group_sizes_G, weights, body, biases=()):
         k, n = weights[i].shape[1:]
         y_PxN = ops.gmm(x_PxK, weights[i], group_sizes_G, x_PxK.dtype, (tm, min(1024, k), min(1024, n)), None,
                         None, False, MEGABLOX_INTERPRET)
-        b = biases[i] if i < len(biases) else None
-        return y_PxN if b is None else y_PxN + row_bias(b, group_sizes_G, padded, y_PxN.dtype)
+        return plus_row_bias(y_PxN, biases[i] if i < len(biases) else None, group_sizes_G)
     return jnp.where(in_group_Px1, body(x_PxD, matmul), 0)[:m]
 
 
