@@ -1,10 +1,14 @@
 #!/usr/bin/env python
 """Runs the README's commands, then the docs' (docs/*.md, in the order the README links them), as a newcomer
 does, one after another in one folder: a fresh copy of the checkout (its tracked files; no outputs/) outside
-the repo, and checks that each gives what the text shows. Commands that collide when run in order (two runs
-under one name) fail here.
+the repo, with a home of its own (no compilation cache, no settings), and checks that each gives what the text
+shows. Commands that collide when run in order (two runs under one name) fail here.
 
-    python scripts/check_readme.py [README.md ...] [--keep DIR] [--list]
+    python scripts/check_readme.py [README.md ...] [--keep DIR] [--home DIR] [--list] [--groups]
+
+Given pages run in that order in one checkout. The tests run each page in a checkout of its own, side by side,
+a page after the pages it uses the outputs of (NEEDS; `--groups` lists them), and check statically that no two
+pages train one run (`collisions`).
 
 Commands are the lines of the ```bash blocks (a trailing `\\` joins lines; `# ...` comments go), run with
 bash so that `VAR=value` prefixes and `&&` work as typed, with the `python` running this script first on
@@ -22,6 +26,7 @@ an earlier command printed. Prints one line per command (status, seconds) and ex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -42,6 +47,8 @@ SKIP = [  # (pattern, why): parts of a command line that are not run
     (r"^sbatch\b", "needs a SLURM cluster (tests/test_launch.py runs its --dry-run)"),
 ]
 HF_MODEL = "path/to/hf_model"
+# A page that runs what another page made (its checkpoints, its imported model) runs after it, in its checkout.
+NEEDS = {"docs/generation.md": ["docs/hf.md"]}
 # Environment settings that would change what a command does compared with a newcomer's shell.
 CLEARED = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
 
@@ -165,12 +172,15 @@ def make_hf_model(where: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(where)
 
 
-def environment(bin_dir: Path) -> dict[str, str]:
+def environment(bin_dir: Path, home: Path) -> dict[str, str]:
+    """A newcomer's shell: `python` is this one, none of our settings, and a home of its own (`~/.cache/maxtrain/xla`,
+    the compilation cache, starts empty unless the caller shares one between checks)."""
     # A script, not a symlink: a venv's python called through a link elsewhere loses its venv.
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     (bin_dir / "python").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in CLEARED and not k.startswith("MAXTRAIN_")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["HOME"] = str(home)
     return env
 
 
@@ -222,16 +232,92 @@ def reading_order(readme: Path) -> list[Path]:
     return [readme, *(p for p in linked if p.exists()), *rest]
 
 
+def page_name(page: Path) -> str:
+    return str(page.relative_to(REPO)) if page.is_relative_to(REPO) else str(page)
+
+
+def groups(pages: list[Path]) -> list[list[Path]]:
+    """The pages (in reading order) as runs of their own: each page alone, or after the pages it NEEDS (which
+    then run there only). Pages without a command or a sample to check are left out."""
+    by_name = {page_name(p): p for p in pages}
+    needed = {name for names in NEEDS.values() for name in names}
+    return [[by_name[n] for n in NEEDS.get(page_name(page), []) if n in by_name] + [page] for page in pages
+            if page_name(page) not in needed and any(s.command or s.shape for s in parse(page.read_text(),
+                                                                                           page_name(page)))]
+
+
+def trained_run(command: str) -> tuple[list[str], int, int] | None:
+    """(maxtrain.train's arguments, devices, processes) of a command that trains, else None."""
+    for part in command.split("&&"):
+        words = shlex.split(part)
+        env = {}
+        while words and re.match(r"^[A-Z_]+=", words[0]):
+            key, value = words.pop(0).split("=", 1)
+            env[key] = value
+        count = re.search(r"device_count=(\d+)", env.get("XLA_FLAGS", ""))
+        per_process = int(count[1]) if count else 1  # CPU: one device unless XLA_FLAGS says more
+        if any(w.startswith("-") for w in words[3:]):
+            continue  # --print-config, --help-keys: nothing trained
+        if words[:3] == ["python", "-m", "maxtrain.train"] and words[3:]:
+            return words[3:], per_process, 1
+        if words and words[0].endswith("launch_local.sh") and words[1:2] and words[1].isdigit():
+            processes = int(words[1])  # the script gives each process MAXTRAIN_DEVICES_PER_PROCESS devices
+            return words[2:], int(env.get("MAXTRAIN_DEVICES_PER_PROCESS", 4)) * processes, processes
+    return None
+
+
+def run_names(steps: list[Step], cwd: Path = REPO) -> list[str | None]:
+    """The run each step trains (None: it trains nothing, or its config is made by an earlier command, or it is
+    shown failing), from maxtrain's own config load and resolve for the devices and processes the command
+    gives, read in `cwd` (a checkout)."""
+    from maxtrain.config import keys, load, resolve
+    names = []
+    with contextlib.chdir(cwd):
+        for step in steps:
+            found = trained_run(step.command) if step.command and not step.expect else None
+            if not found:
+                names.append(None)
+                continue
+            args, devices, processes = found
+            try:
+                names.append(resolve.resolve(load.load(args), devices, slices=processes).run_name)
+            except keys.ConfigError:
+                names.append(None)
+    return names
+
+
+def collisions(runs: list[list[Path]], cwd: Path = REPO) -> list[str]:
+    """Runs that two groups of pages train: each group runs in its own checkout, so a later page resuming (or
+    finding finished) an earlier page's run shows only here."""
+    first: dict[str, tuple[str, int]] = {}  # run name -> (where it is first trained, its group)
+    problems = []
+    for number, group in enumerate(runs):
+        steps = [s for page in group for s in parse(page.read_text(), page_name(page))]
+        for step, name in zip(steps, run_names(steps, cwd)):
+            if name in first and first[name][1] != number:
+                problems.append(f"{step.file}:{step.line} trains run {name}, as {first[name][0]} does (another "
+                                "page's checkout)")
+            if name:
+                first.setdefault(name, (f"{step.file}:{step.line}", number))
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("readme", nargs="*", help="default: README.md, then the docs/ pages it links, in order")
     parser.add_argument("--keep", help="run in this (new) directory and keep it, instead of a temporary one")
+    parser.add_argument("--home", help="HOME for the commands (default: a new, empty one); sharing one between "
+                        "checks shares their compilation cache")
     parser.add_argument("--list", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--groups", action="store_true", help="print the groups of pages the tests run apart")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
     args = parser.parse_args(argv)
-    files = [Path(f) for f in args.readme] or reading_order(REPO / "README.md")
-    steps = [s for f in files for s in parse(f.read_text(), str(f.relative_to(REPO) if f.is_relative_to(REPO)
-                                                                  else f))]
+    files = [Path(f).resolve() for f in args.readme] or reading_order(REPO / "README.md")
+    if args.groups:
+        for group in groups(files):
+            print(" ".join(page_name(p) for p in group))
+        return 0
+    steps = [s for f in files for s in parse(f.read_text(), page_name(f))]
     if args.list:
         for s in steps:
             print(f"{s.file}:{s.line}: " + (f"(skip: {s.skip})" if s.skip else s.command or f"sample {s.shape}"))
@@ -240,12 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.keep) if args.keep else Path(tmp) / "maxtrain"
         work.mkdir(parents=True)
         fresh_checkout(work)
-        bin_dir = Path(tmp) / "bin"
+        bin_dir, home = Path(tmp) / "bin", Path(args.home) if args.home else Path(tmp) / "home"
         bin_dir.mkdir()
+        home.mkdir(parents=True, exist_ok=True)
         if any(HF_MODEL in s.command for s in steps):
             make_hf_model(work / HF_MODEL)
         t0 = time.perf_counter()
-        ok = check(steps, work, environment(bin_dir), args.timeout)
+        ok = check(steps, work, environment(bin_dir, home), args.timeout)
         print(f"{'all as the README shows' if ok else 'some commands differ from the README'} "
               f"({time.perf_counter() - t0:.0f} s, in {work})")
     return 0 if ok else 1

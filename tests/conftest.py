@@ -1,12 +1,32 @@
-"""Every test sees 8 fake CPU devices, so each sharding path runs without accelerators."""
+"""Every test sees 8 fake CPU devices, so each sharding path runs without accelerators; every test of one run
+(each xdist worker, each process a test starts) shares one HOME made for the run, so its `~/.cache/maxtrain/xla`
+(base.yml's compilation_cache_dir) is the run's compilation cache, never the user's: a step compiled once is
+read, not compiled, by the next test with the same shapes."""
 
 import os
+import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+# One Eigen thread per process: each of the `-n 2` workers (and each process a test starts) has a core's share,
+# and the spinning of a second Eigen pool per process only takes it from the other (about 15% of the suite).
+# No LLVM optimization of the compiled code: the tests' shapes are tiny, so compiling is most of a test's time
+# and running it little (about 25% of a test's time; the same HLO, so the same numerics checks hold).
+CPU_FLAGS = "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test process (or one a test starts) with `devices` fake CPU devices."""
+    return f"--xla_force_host_platform_device_count={devices} {CPU_FLAGS}"
+
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "MAXTRAIN_TEST_HOME" not in os.environ:  # the first process of the run (xdist's workers inherit it)
+    os.environ["MAXTRAIN_TEST_HOME"] = tempfile.mkdtemp(prefix="maxtrain-tests-home-")
+    os.environ["MAXTRAIN_TEST_HOME_OWNER"] = str(os.getpid())
+os.environ["HOME"] = os.environ["MAXTRAIN_TEST_HOME"]
 
 import contextlib  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -55,6 +75,25 @@ def train_tiny(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def reference_losses(tmp_path_factory):
+    """reference_losses(*overrides, n_devices=1) -> the tiny config's losses on the first n_devices, trained once
+    per test run (whichever xdist worker asks first) for every mesh's test that compares with them."""
+    import hashlib
+    from helpers import once
+    from maxtrain import train
+
+    def get(*overrides, n_devices=1):
+        def compute():
+            devices = jax.devices()[:n_devices]
+            out = tmp_path_factory.mktemp("reference")
+            c = train.load_config([TINY, f"base_output_directory={out}", *overrides], devices)
+            return [float(x) for x in train.train(c, devices)["losses"]]
+        key = hashlib.sha256(repr((overrides, n_devices)).encode()).hexdigest()[:16]
+        return once(f"losses-{key}", compute)
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer_json(tmp_path_factory):
     """A real tokenizer.json: a byte-level BPE trained with HF tokenizers on Tiny Shakespeare."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
@@ -81,9 +120,55 @@ def decode(c, trainer, params, prompts, max_new_tokens, sampling=None, eos_id=No
                                batch_size).ids
 
 
-FIRST = ("tests/test_readme.py::test_the_readmes_commands_give_what_it_shows",)  # the longest test, by far
+# The longest tests (seconds on a 2-core machine, measured with --durations): under `-n N` each worker's first
+# share of the queue (xdist's worksteal hands worker k the k-th of N equal slices, then idle workers steal from
+# the ends of the others') starts with its part of these, so that they run side by side, not one after another.
+LONG = {
+    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows[models.md]": 515,
+    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows": 200,  # each other page
+    "tests/test_faults.py::test_two_processes_roll_back_and_fall_back_together": 83,
+    "tests/test_deepseek.py::test_the_same_losses_on_every_mesh_with_mtp": 55,
+    "tests/test_multiprocess.py::test_the_data_position_moves_between_process_counts": 65,
+    "tests/test_moe.py::test_metrics_resume_and_accumulation": 70,
+    "tests/test_multiprocess.py::test_checkpoints_move_between_two_processes_and_one": 68,
+    "tests/test_checkpoint.py::test_kill_9_at_random_moments_resumes_to_the_same_params": 64,
+    "tests/test_cli.py::test_ctrl_c_in_a_terminal_stops_every_process_at_one_saved_step": 60,
+    "tests/test_data.py::test_bad_inputs_name_the_file": 58,
+    "tests/test_multiprocess.py::test_sigterm_to_one_process_stops_both_at_one_saved_step": 55,
+    "tests/test_multiprocess.py::test_two_processes_match_one": 45,
+    "tests/test_multiprocess.py::test_eval_rows_that_end_at_different_batches": 51,
+    "tests/test_moe.py::test_two_processes_with_experts_across_them_match_one": 50,
+    "tests/test_multiprocess.py::test_samples_during_training_on_two_processes_match_one": 49,
+    "tests/test_checkpoint.py::test_bad_checkpoints_give_one_line_and_exit_2": 49,
+    "tests/test_gpt_oss.py::test_the_same_losses_on_every_mesh": 45,
+    "tests/test_cli.py::test_the_shakespeare_quickstart_runs_from_any_folder": 48,
+    "tests/test_storage.py::test_train_sigterm_resume_on_gcs_matches_a_local_run_bitwise": 48,
+    "tests/test_faults.py::test_a_file_only_one_process_reads_damaged_falls_back_on_both": 45,
+    "tests/test_package.py::test_the_wheel_ships_its_configs_and_trains_from_anywhere": 43,
+}
 
 
-def pytest_collection_modifyitems(items):
-    """The longest test first, so that under `-n 2` it runs beside the rest instead of after it."""
-    items.sort(key=lambda item: item.nodeid not in FIRST)  # stable: the others keep their order
+def pytest_collection_modifyitems(config, items):
+    workers = getattr(config, "workerinput", {}).get("workercount")  # in an xdist worker, which does the collecting
+    if not isinstance(workers, int) or workers < 2:
+        return
+    seconds = {item.nodeid: next((s for prefix, s in LONG.items() if item.nodeid.startswith(prefix)), 0)
+               for item in items}
+    long = sorted((i for i in items if seconds[i.nodeid]), key=lambda i: -seconds[i.nodeid])
+    short = [i for i in items if not seconds[i.nodeid]]
+    shares: list[list] = [[] for _ in range(workers)]
+    for item in long:  # the longest to the share with the least so far
+        min(shares, key=lambda share: sum(seconds[i.nodeid] for i in share)).append(item)
+    ordered, left = [], len(items)
+    for k, share in enumerate(shares):
+        size = left // (workers - k)  # the slice xdist hands worker k
+        fill = max(0, size - len(share))
+        ordered += share + short[:fill]
+        short, left = short[fill:], left - size
+    items[:] = ordered + short
+
+
+def pytest_unconfigure(config):
+    """The run's HOME (its compilation cache) goes with the process that made it."""
+    if os.environ.get("MAXTRAIN_TEST_HOME_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["MAXTRAIN_TEST_HOME"], ignore_errors=True)

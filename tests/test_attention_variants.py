@@ -93,6 +93,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kernel,sinks", [(name, sinks) for name in KERNELS for sinks in (True, False)])
 def test_every_kernel_equals_the_dense_reference(kernel, sinks, variant):
@@ -109,6 +110,7 @@ def document_positions(segments):
     return jnp.asarray(np.arange(segments.shape[1])[None] - starts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel,chunk,length", [(kernel, chunk, length) for kernel in KERNELS
                                                  for chunk, length in ((32, 256), (24, 200), (7, 64))
                                                  if "splash" not in kernel or length % 128 == 0])  # splash: 128s
@@ -129,6 +131,7 @@ def test_every_kernel_chunks_as_the_reference(kernel, chunk, length):
         np.testing.assert_allclose(a, b, **TOL, err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,block,length", [
     (32, 64, 256),    # block bigger than the window
     (48, 20, 200),    # window not a multiple of the block, nor the block of the length
@@ -156,6 +159,7 @@ def test_bfloat16_takes_the_banded_form_and_matches_float32():
                                atol=3e-2)
 
 
+@pytest.mark.slow
 def test_blockwise_window_8w_default_block():
     """The issue's test: blockwise with window W at sequence 8W equals the dense masked reference, at a W
     that is not a multiple of blockwise's own block for it."""
@@ -171,6 +175,7 @@ def _flops(length, window):
     return fn.lower(q, k, v).compile().cost_analysis()["flops"]
 
 
+@pytest.mark.slow
 def test_blockwise_cost_grows_with_the_window_not_the_sequence():
     """Forward + backward flops of windowed blockwise double with the sequence (each query's work is
     bounded by the window), where full causal's quadruple."""
@@ -193,7 +198,7 @@ def context_mesh():
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-@pytest.mark.parametrize("window", [1, 9, 17, 24, 40, 0])
+@pytest.mark.parametrize("window", [9, 40, *(pytest.param(w, marks=pytest.mark.slow) for w in (1, 17, 24, 0))])
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "unbalanced"])
 def test_context_parallel_with_a_window_and_sinks(context_mesh, balanced, window, strategy):
     """Context 4 x fsdp 2, each device 32 of 128 positions (in zigzag order two runs of 16): outputs and
@@ -226,6 +231,7 @@ def test_context_parallel_with_a_window_and_sinks(context_mesh, balanced, window
     np.testing.assert_allclose(grads[3], grads_r[3], **TOL, err_msg="dsinks")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [9, 40])
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "unbalanced"])
 def test_context_parallel_chunks_as_the_reference(context_mesh, balanced, chunk):
@@ -257,6 +263,7 @@ def test_context_parallel_chunks_as_the_reference(context_mesh, balanced, chunk)
 # ---- decoding against the KV cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,chunked", [(5, False), (0, False), (5, True)])
 def test_a_decode_step_against_the_cache(window, chunked):
     """Single queries at several slots of a left-padded cache (row 1's sequence starts at slot 3), each

@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import SHAKESPEARE, TINY, TESTS
+from conftest import SHAKESPEARE, TESTS, TINY, xla_flags
 
 CKPT = ("enable_checkpointing=true", "learning_rate_schedule_steps=20")
 FSDP8 = ("ici_fsdp_parallelism=8",)
@@ -26,6 +26,7 @@ def params_equal_bitwise(a, b) -> bool:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+@pytest.mark.slow
 def test_exact_resume_matches_straight_run(train_tiny, tmp_path):
     straight = train_tiny(*CKPT, *FSDP8, "run_name=straight", "steps=20")
     first = train_tiny(*CKPT, *FSDP8, "run_name=resumed", "steps=10", "checkpoint_period=5")
@@ -38,6 +39,7 @@ def test_exact_resume_matches_straight_run(train_tiny, tmp_path):
     assert params_equal_bitwise(resumed["state"].opt_state, straight["state"].opt_state)
 
 
+@pytest.mark.slow
 def test_exact_resume_with_the_text_pipeline(train_tiny):
     """Same, reading Tiny Shakespeare through grain: the iterator state is in the checkpoint."""
     text = ("dataset_type=text", f"train_files={TESTS.parent / 'data' / 'tinyshakespeare.txt'}",
@@ -49,6 +51,7 @@ def test_exact_resume_with_the_text_pipeline(train_tiny):
     assert params_equal_bitwise(resumed["state"].params, straight["state"].params)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_logs_each_step_once(train_tiny, tmp_path):
     # Checkpoints at 3 and 5; without the one at 5 (as if killed before it), a rerun resumes from 3
     # and logs 4 and 5 again: the first attempt's lines for them must go.
@@ -62,6 +65,7 @@ def test_a_resumed_run_logs_each_step_once(train_tiny, tmp_path):
     assert [r["step"] for r in rows if "start" in r] == [0, 3]  # each start's record, the resume's at its step
 
 
+@pytest.mark.slow
 def test_the_end_of_the_data_is_saved_and_evaluated(train_tiny, tmp_path):
     # 40 short documents, one epoch: the data ends long before `steps`, between checkpoints and evals.
     docs = tmp_path / "docs.txt"
@@ -78,6 +82,7 @@ def test_the_end_of_the_data_is_saved_and_evaluated(train_tiny, tmp_path):
     assert again["losses"] == [] and int(again["state"].step) == last
 
 
+@pytest.mark.slow
 def test_restore_onto_a_different_mesh(train_tiny):
     straight = train_tiny(*CKPT, *FSDP8, "run_name=a", "steps=12")
     train_tiny(*CKPT, *FSDP8, "run_name=b", "steps=10")
@@ -86,12 +91,14 @@ def test_restore_onto_a_different_mesh(train_tiny):
     np.testing.assert_allclose(other_mesh["losses"], straight["losses"][10:], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_restore_on_one_device_from_eight(train_tiny):
     train_tiny(*CKPT, *FSDP8, "run_name=c", "steps=10")
     single = train_tiny(*CKPT, "run_name=c", "steps=11", "per_device_batch_size=8", n_devices=1)
     assert len(single["losses"]) == 1 and np.isfinite(single["losses"][0])
 
 
+@pytest.mark.slow
 def test_load_parameters_path_starts_a_fresh_optimizer(train_tiny, tmp_path):
     src = train_tiny(*CKPT, "run_name=src", "steps=10")
     fresh = train_tiny("run_name=dst", "steps=1", f"load_parameters_path={tmp_path}/src/checkpoints/10")
@@ -108,7 +115,7 @@ def test_load_parameters_path_starts_a_fresh_optimizer(train_tiny, tmp_path):
 # ---- through the CLI, as a user (or a preempted job) runs it ------------------------------------
 
 def cli(*args, out):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8))
     return subprocess.Popen([sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={out}",
                              "enable_checkpointing=true", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS.parent)
@@ -222,6 +229,7 @@ def test_bad_checkpoints_give_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_the_saved_line_counts_the_whole_save(train_tiny, monkeypatch, capsys):
     """The state's checksums (its copy to the host) are part of the save the heartbeat calls `still saving`:
     the `saved checkpoint` line's time includes them."""

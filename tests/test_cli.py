@@ -12,17 +12,11 @@ import time
 import pytest
 
 from maxtrain.config import help as cli_help, load as config, run_name
-from maxtrain import compile as compile_lib, convert, generate, train
-from conftest import TINY, TESTS
+from maxtrain import compile as compile_lib, convert, generate, prepare, train
+from conftest import TESTS, TINY, xla_flags
+from helpers import one_line
 
 BASE = TESTS.parent / "maxtrain" / "configs" / "base.yml"
-
-
-def one_line(err: str) -> str:
-    assert "Traceback" not in err, err[-3000:]
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err[-3000:]
-    return lines[0]
 
 
 # ---- --help and --help-keys ----------------------------------------------------------------------
@@ -31,6 +25,7 @@ def one_line(err: str) -> str:
     (train, "usage: python -m maxtrain.train CONFIG.yml"),
     (generate, "usage: python -m maxtrain.generate CONFIG.yml"),
     (compile_lib, "usage: python -m maxtrain.compile CONFIG.yml"),
+    (prepare, "usage: python -m maxtrain.prepare CONFIG.yml"),
 ])
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], [TINY, "steps=3", "--help"]])
 def test_help_prints_the_usage_and_where_the_keys_are(module, usage, argv, capsys):
@@ -49,6 +44,7 @@ def test_convert_help_says_where_the_keys_are(capsys, monkeypatch):
     assert "python -m maxtrain.train --help-keys [PATTERN]" in out and "base.yml" in out
 
 
+@pytest.mark.slow
 def test_generate_help_as_a_user_runs_it():
     done = subprocess.run([sys.executable, "-m", "maxtrain.generate", "--help"], capture_output=True, text=True,
                           timeout=120, cwd=TESTS.parent)
@@ -107,6 +103,7 @@ def my_config(tmp_path):
     return str(path)
 
 
+@pytest.mark.slow
 def test_run_name_is_derived_from_the_config_file_and_the_defining_keys(my_config, tmp_path):
     def name(*overrides):
         c = train.load_config([my_config, *overrides])  # resolved on the 8 devices: the global batch known
@@ -142,6 +139,7 @@ def test_run_name_is_derived_from_the_config_file_and_the_defining_keys(my_confi
     assert run_name.NOT_DEFINING <= set(defaults), run_name.NOT_DEFINING - set(defaults)
 
 
+@pytest.mark.slow
 def test_the_same_command_resumes_and_another_model_starts_a_new_run(my_config, tmp_path, capsys):
     out_dir = f"base_output_directory={tmp_path}"
     name = train.load_config([my_config]).run_name  # (on this process's 8 devices: their global batch)
@@ -173,6 +171,7 @@ def test_the_same_command_resumes_and_another_model_starts_a_new_run(my_config, 
 
 # ---- the profiler says where it wrote ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_profiler_says_where_it_wrote_the_trace(train_tiny, tmp_path, capsys):
     train_tiny("run_name=profiled", "steps=4", "profiler=xplane", "profiler_start_step=2", "profiler_steps=2")
     profile = tmp_path / "profiled" / "profile"
@@ -187,7 +186,7 @@ def test_the_profiler_says_where_it_wrote_the_trace(train_tiny, tmp_path, capsys
 # ---- as a user runs it: no libtpu noise, Ctrl-C -------------------------------------------------------
 
 def cli(*args, out, env=None):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", **(env or {})}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={out}",
                              "compilation_cache_dir=", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=TESTS.parent)
@@ -222,11 +221,12 @@ def saved_steps(directory):
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 def test_no_libtpu_noise_on_a_cpu_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     done = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={tmp_path}",
                            "steps=1"], capture_output=True, text=True, timeout=300, cwd=TESTS.parent,
-                          env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                          env={**env, "XLA_FLAGS": xla_flags(8)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "E0000" not in done.stderr and "unexpected worker hostname" not in done.stderr, done.stderr[-3000:]
     assert "TPU" not in done.stderr, done.stderr[-3000:]
@@ -354,11 +354,12 @@ def test_list_presets_names_each_with_its_family_and_size(capsys):
     assert "(12.9B active)" in mixtral and "8 experts (2 active)" in mixtral
 
 
+@pytest.mark.slow
 def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, "steps=7", "ici_fsdp_parallelism=2", "ici_data_parallelism=-1",
                            f"base_output_directory={tmp_path}", "--print-config"], capture_output=True, text=True,
                           timeout=300, cwd=TESTS.parent,
-                          env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+                          env=dict(os.environ, XLA_FLAGS=xla_flags(4)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = tmp_path / "printed.yml"
     printed.write_text(proc.stdout)

@@ -51,6 +51,7 @@ def one_device(tmp_path_factory, documents):
     return {"synthetic": reference_losses(tmp_path_factory), "packed": reference_losses(tmp_path_factory, *documents)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("balance", BALANCE)
 @pytest.mark.parametrize("mesh", MESHES)
 def test_the_same_losses_on_every_context_mesh(train_tiny, one_device, mesh, balance):
@@ -59,12 +60,14 @@ def test_the_same_losses_on_every_context_mesh(train_tiny, one_device, mesh, bal
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["context8", "context4xfsdp2"])
 def test_packed_documents_train_the_same(train_tiny, one_device, documents, mesh):
     losses = train_tiny(*MODEL, *documents, *MESHES[mesh], "per_device_batch_size=1")["losses"]
     np.testing.assert_allclose(losses, one_device["packed"], rtol=RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [512, 4], ids=["one-chunk", "chunks-of-4"])
 @pytest.mark.parametrize("window", [0, 24], ids=["causal", "window24"])
 @pytest.mark.parametrize("mesh", ["context8", "context4xfsdp2"])
@@ -83,6 +86,7 @@ def test_ring_attention_trains_as_one_device(train_tiny, tmp_path_factory, one_d
     np.testing.assert_allclose(losses, expected, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_the_ring_passes_blocks_and_gathers_no_sequence(tiny_config):
     """The compiled train step, context 8 (each device 8 of 64 positions of 8 rows, 8 kv heads of 8): under
     the ring, keys and values move as a device's block, f32[8,8,8,8], in collective-permutes (7 steps
@@ -100,6 +104,7 @@ def test_the_ring_passes_blocks_and_gathers_no_sequence(tiny_config):
     assert collectives("ring", "collective-permute").count("f32[8,8,8,8]") >= 2 * (7 + 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel,mesh,balance", [
     ("splash", mesh, balance) for mesh in ("context2", "context2xtensor2xdata2") for balance in BALANCE] + [
     ("tokamax_splash", "context2xtensor2xdata2", "balanced")])
@@ -114,6 +119,7 @@ def test_splash_under_context_parallelism_trains_the_same(train_tiny, tmp_path_f
     np.testing.assert_allclose(losses, reference_losses(tmp_path_factory, *splash), rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_gradients_equal_the_unsharded_ones(tiny_config, documents):
     """One packed batch, load-balanced over context 4 x fsdp 2: every parameter's gradient as on one device
     (of the summed loss, float32, gradients up to ~7: within 1e-4 relative or 5e-5 absolute, the summation
@@ -160,6 +166,7 @@ RULE_SETS = {"default": "", "length replicated": rules_with(length=None, cache_l
                                                         kv_heads=None, mlp=None, moe_mlp=None)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("balance", BALANCE)
 def test_a_context_mesh_whose_rules_keep_sequences_whole_trains_as_one_device(train_tiny, one_device, balance):
     """context 2 x fsdp 4 with `length` mapped to nothing: no device splits a sequence, so nothing is reordered
@@ -221,6 +228,7 @@ def test_a_fraction_of_a_sequence_per_device(tiny_config):
     assert c.global_batch_size == 2 and c.mesh_shape["context"] == 4
 
 
+@pytest.mark.slow
 def test_chunked_loss_and_mlp_train_the_same(train_tiny, one_device):
     """Loss and MLP chunks of 8 of each device's 16 positions (context 4): each chunk takes positions from
     every device's share, and the losses are those of one device."""
@@ -229,6 +237,7 @@ def test_chunked_loss_and_mlp_train_the_same(train_tiny, one_device):
     np.testing.assert_allclose(losses, one_device["synthetic"], rtol=RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", ["capacity_factor=-1", "capacity_factor=1.0"])
 def test_mixture_of_experts_under_context_parallelism(train_tiny, tmp_path_factory, capacity):
     """The experts' shard_map takes each device's own positions; the capacity rule still counts per
@@ -251,6 +260,7 @@ def test_splash_block_map_of_the_load_balanced_layout():
     assert mask[slice(0, 8), slice(56, 64)].sum() == 0 and mask[slice(56, 64), slice(0, 8)].all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,prompt_length", [
     (("max_target_length=256", "attention=splash"), 200),  # a 256-token buffer: splash's blocks per device
     (("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0"), 62),
@@ -271,6 +281,7 @@ def test_generation_under_context_parallelism_matches_one_device(tiny_config, mo
     assert tokens(jax.devices(), "ici_context_parallelism=2") == tokens(jax.devices()[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [(), ("ici_context_parallelism=2",)], ids=["fsdp8", "context2xfsdp4"])
 def test_tokamax_splash_decodes_the_same_greedy_tokens_as_splash(tiny_config, mesh):
     """The same parameters, prompt and greedy decoding under JAX's splash and Tokamax's (interpreted)."""

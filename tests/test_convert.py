@@ -18,7 +18,6 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
                           Qwen2Config, Qwen2ForCausalLM)
 
 
-from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain import convert, generate, train
 from maxtrain.config import load as config_lib
 from maxtrain.parallel import mesh as mesh_lib
@@ -26,6 +25,8 @@ from maxtrain.training import step as step_lib
 from maxtrain.infer.sampling import Sampling
 
 from conftest import SHAKESPEARE, TESTS, decode
+from helpers import (TOLERANCE, assert_import_refused, cpu_env, edit_hf_config, hf_logits, load_maxtrain,
+                     maxtrain_logits, random_hf, save_hf)
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256)
@@ -43,39 +44,15 @@ VARIANTS = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 }
-TOLERANCE = 1e-4  # max abs logit difference in float32
 
 
 def random_hf_model(kind: str, randomize=True, **overrides):
     config_cls, model_cls, extra = VARIANTS[kind]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**{**SMALL, **extra, **overrides})).eval()
-    if randomize:  # HF starts norms at 1 and biases at 0, which would hide a mapping mistake
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    return model
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
-
-
-def load_maxtrain(config_path, *overrides, n_devices=8):
-    """(config, trainer, params) for a converted checkpoint, on n_devices (fsdp over all by default)."""
-    devices = jax.devices()[:n_devices]
-    c = train.load_config([str(config_path), "dtype=float32", *overrides], devices)  # parity with HF in float32
-    mesh = mesh_lib.make_mesh(c, devices)
-    trainer = step_lib.build(c, mesh)
-    with mesh_lib.activate(mesh, trainer.rules):
-        params = ckpt_loading.load_parameters(c, trainer.abstract_state.params)
-    return c, trainer, params
-
-
-def maxtrain_logits(trainer, params, tokens) -> np.ndarray:
-    with mesh_lib.activate(trainer.mesh, trainer.rules):
-        return np.asarray(jax.jit(trainer.model.apply)({"params": params}, np.asarray(tokens, np.int32)))
+    config = config_cls(**{**SMALL, **extra, **overrides})
+    if not randomize:  # as transformers initializes it
+        torch.manual_seed(0)
+        return model_cls(config).eval()
+    return random_hf(model_cls, config)
 
 
 TOKENS = np.random.RandomState(0).randint(0, SMALL["vocab_size"], (8, 24))
@@ -126,6 +103,7 @@ def test_export_reloads_in_transformers_with_identical_weights(tmp_path, kind, s
         np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(model, TOKENS))
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_exported_gives_the_same_logits_in_transformers(tmp_path, train_tiny):
     result = train_tiny("enable_checkpointing=true", "steps=3", "qkv_bias=true")
     step_dir = tmp_path / "tiny" / "checkpoints" / "3"
@@ -141,6 +119,7 @@ def test_trained_checkpoint_exported_gives_the_same_logits_in_transformers(tmp_p
     assert model.config.eos_token_id is None  # trained from scratch: no HF source to take token ids from
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(tmp_path):
     model = random_hf_model("llama-gqa")
     model.save_pretrained(tmp_path / "hf")
@@ -166,7 +145,7 @@ def test_finetune_from_imported_checkpoint_on_shakespeare(tmp_path, hf_tokenizer
     shutil.copy(hf_tokenizer_json, tmp_path / "hf" / "tokenizer.json")
     cli = [sys.executable, "-m", "maxtrain.convert", "hf_to_maxtrain", "--hf_dir", str(tmp_path / "hf"),
            "--out", str(tmp_path / "mt")]
-    done = subprocess.run(cli, capture_output=True, text=True, env=_cpu_env())
+    done = subprocess.run(cli, capture_output=True, text=True, env=cpu_env())
     assert done.returncode == 0, done.stderr[-2000:]
     written = (tmp_path / "mt" / "maxtrain.yml").read_text()
     assert "tokenizer_type: huggingface" in written and "hf_bos_token: <s>" in written
@@ -183,7 +162,7 @@ def test_finetune_from_imported_checkpoint_on_shakespeare(tmp_path, hf_tokenizer
 
     gen = [sys.executable, "-m", "maxtrain.generate", str(tmp_path / "mt" / "maxtrain.yml"), "prompt=ROMEO:",
            "max_new_tokens=8"]
-    done = subprocess.run(gen, capture_output=True, text=True, env=_cpu_env())
+    done = subprocess.run(gen, capture_output=True, text=True, env=cpu_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert "generated ids: [" in done.stdout and "text: " in done.stdout
 
@@ -195,23 +174,12 @@ def test_finetune_from_imported_checkpoint_on_shakespeare(tmp_path, hf_tokenizer
     assert (tmp_path / "back" / "tokenizer.json").read_bytes() == hf_tokenizer_json.read_bytes()
 
 
-def _cpu_env():
-    import os
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-
-
 # ---------------------------------------------------------------------------------------------
 # Refusals: exit 2, one line naming the tensor or key, nothing written
 
 
 def _saved(tmp_path, kind="llama-gqa", **overrides):
-    random_hf_model(kind, **overrides).save_pretrained(tmp_path / "hf")
-    return tmp_path / "hf"
-
-
-def _edit_config(hf_dir, **changes):
-    path = hf_dir / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return save_hf(random_hf_model(kind, **overrides), tmp_path / "hf")
 
 
 def missing_tensor(tmp_path):
@@ -225,7 +193,7 @@ def missing_tensor(tmp_path):
 
 def wrong_shape(tmp_path):
     hf = _saved(tmp_path)
-    _edit_config(hf, intermediate_size=128)
+    edit_hf_config(hf, intermediate_size=128)
     return ["--hf_dir", str(hf)], "model.layers.0.mlp.gate_proj.weight: shape [160, 64]"
 
 
@@ -235,13 +203,13 @@ def config_mismatch(tmp_path):
 
 def rope_scaling(tmp_path):
     hf = _saved(tmp_path)
-    _edit_config(hf, rope_parameters={"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 8.0})
+    edit_hf_config(hf, rope_parameters={"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 8.0})
     return ["--hf_dir", str(hf)], "rope type 'dynamic' is not supported"
 
 
 def sliding_window(tmp_path):  # Qwen2's window from max_window_layers on: some layers only
     hf = _saved(tmp_path, "qwen2")
-    _edit_config(hf, use_sliding_window=True, sliding_window=64, max_window_layers=1,
+    edit_hf_config(hf, use_sliding_window=True, sliding_window=64, max_window_layers=1,
                  layer_types=["full_attention", "sliding_attention"])
     return ["--hf_dir", str(hf)], "sliding_window=64 is not supported"
 
@@ -260,13 +228,7 @@ def bad_key(tmp_path):
 @pytest.mark.parametrize("case", [missing_tensor, wrong_shape, config_mismatch, rope_scaling, sliding_window,
                                   pickle_only, bad_key])
 def test_import_refusals_are_one_line_and_write_nothing(tmp_path, capsys, case):
-    args, expected = case(tmp_path)
-    capsys.readouterr()  # drop what transformers printed while writing the input
-    out = tmp_path / "out"
-    code = convert.main(["hf_to_maxtrain", *args[:2], "--out", str(out), *args[2:]])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and expected in err and len(err.splitlines()) == 1, err
-    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    assert_import_refused(tmp_path, capsys, *case(tmp_path))
 
 
 def test_export_refusals(tmp_path, capsys):
@@ -305,6 +267,7 @@ def test_llama3_rope_frequencies_match_transformers():
     assert (ours < plain).sum() >= 4  # the scaling really slows the long wavelengths here
 
 
+@pytest.mark.slow
 def test_an_imported_model_generates_to_its_own_context(tmp_path, capsys):
     """config.json's max_position_embeddings (2048 here) travels as the key of that name: generate runs a
     32-token prompt to 2048 though the run's max_target_length is 128, and says which bound it hit past that."""

@@ -5,12 +5,12 @@ As in test_convert.py: random-weight transformers models from small configs (not
 tensor randomized (norms, q/k norms and routers included) so each one's mapping is exercised.
 """
 
+import functools
 import json
 import re
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -20,7 +20,6 @@ from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalL
                           Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 
-from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.config import load as config_lib
 from maxtrain.config import keys as config_keys
 from maxtrain import convert
@@ -29,7 +28,9 @@ from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
 from maxtrain import train
 
+import helpers
 from conftest import TESTS, decode
+from helpers import TOLERANCE, assert_import_refused, cpu_env, edit_hf_config, hf_logits, maxtrain_logits, random_hf, save_hf
 
 SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False)
@@ -46,39 +47,16 @@ VARIANTS = {
         intermediate_size=160, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=3, norm_topk_prob=False,
         head_dim=16, tie_word_embeddings=True)),
 }
-TOLERANCE = 1e-4  # max abs logit difference in float32
 TOKENS = np.random.RandomState(0).randint(0, SMALL["vocab_size"], (8, 24))
 
 
 def random_hf_model(kind: str, **overrides):
     config_cls, model_cls, extra = VARIANTS[kind]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**{**SMALL, **extra, **overrides})).eval()
-    with torch.no_grad():  # HF starts norms at 1, which would hide a mapping mistake
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    return model
+    return random_hf(model_cls, config_cls(**{**SMALL, **extra, **overrides}))
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
-
-
-def load_maxtrain(config_path, *overrides, n_devices=8):
-    """(config, trainer, params) for a converted checkpoint: float32, plain attention, fsdp over 8 devices."""
-    devices = jax.devices()[:n_devices]
-    c = train.load_config([str(config_path), "dtype=float32", "attention=dot_product", *overrides], devices)
-    mesh = mesh_lib.make_mesh(c, devices)
-    trainer = step_lib.build(c, mesh)
-    with mesh_lib.activate(mesh, trainer.rules):
-        params = ckpt_loading.load_parameters(c, trainer.abstract_state.params)
-    return c, trainer, params
-
-
-def maxtrain_logits(trainer, params, tokens) -> np.ndarray:
-    with mesh_lib.activate(trainer.mesh, trainer.rules):
-        return np.asarray(jax.jit(trainer.model.apply)({"params": params}, np.asarray(tokens, np.int32)))
+# The MoE families' parity runs plain attention (the other kernels have tests of their own).
+load_maxtrain = functools.partial(helpers.load_maxtrain, attention="dot_product")
 
 
 def save_fused(model, hf_dir):
@@ -102,6 +80,7 @@ def test_save_pretrained_writes_one_tensor_per_expert(tmp_path):
         assert not any("gate_up_proj" in name for name in saved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,scan,matmul,layout", [
     ("mixtral", True, "blocked", "saved"), ("mixtral", False, "ragged_dot", "saved"),
     ("qwen3_moe", True, "ragged_dot", "saved"), ("qwen3_moe", False, "blocked", "saved"),
@@ -173,6 +152,7 @@ def test_export_without_an_hf_source_picks_the_model_class(tmp_path, kind):
     np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(model, TOKENS))
 
 
+@pytest.mark.slow
 def test_trained_moe_checkpoint_exported_gives_the_same_logits_in_transformers(tmp_path, train_tiny):
     result = train_tiny("enable_checkpointing=true", "steps=2", "num_experts=4", "num_experts_per_tok=2",
                         "norm_topk_prob=true", "use_qk_norm=true", "base_moe_mlp_dim=32")
@@ -187,6 +167,7 @@ def test_trained_moe_checkpoint_exported_gives_the_same_logits_in_transformers(t
     assert np.abs(ours - hf_logits(model, tokens)).max() <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_greedy_generation_matches_transformers(tmp_path, kind):
     model = random_hf_model(kind)
@@ -200,10 +181,11 @@ def test_greedy_generation_matches_transformers(tmp_path, kind):
     assert len(ours) == 16 and ours == ref
 
 
+@pytest.mark.slow
 def test_cli_round_trip_and_generation(tmp_path):
     model = random_hf_model("mixtral")
     model.save_pretrained(tmp_path / "hf")
-    env = _cpu_env()
+    env = cpu_env()
     done = subprocess.run([sys.executable, "-m", "maxtrain.convert", "hf_to_maxtrain", "--hf_dir", str(tmp_path / "hf"),
                            "--out", str(tmp_path / "mt")], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -223,23 +205,12 @@ def test_cli_round_trip_and_generation(tmp_path):
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "back")) is MixtralForCausalLM
 
 
-def _cpu_env():
-    import os
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-
-
 # ---------------------------------------------------------------------------------------------
 # Refusals: exit 2, one line naming the tensor or key, nothing written
 
 
 def _saved(tmp_path, kind="mixtral", **overrides):
-    random_hf_model(kind, **overrides).save_pretrained(tmp_path / "hf")
-    return tmp_path / "hf"
-
-
-def _edit_config(hf_dir, **changes):
-    path = hf_dir / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return save_hf(random_hf_model(kind, **overrides), tmp_path / "hf")
 
 
 def qwen2_moe(tmp_path):
@@ -256,13 +227,13 @@ def mlp_only_layers(tmp_path):
 
 def decoder_sparse_step(tmp_path):
     hf = _saved(tmp_path, "qwen3_moe")
-    _edit_config(hf, decoder_sparse_step=2)
+    edit_hf_config(hf, decoder_sparse_step=2)
     return ["--hf_dir", str(hf)], "decoder_sparse_step=2 is not supported"
 
 
 def qwen3_sliding_window(tmp_path):
     hf = _saved(tmp_path, "qwen3_moe")
-    _edit_config(hf, use_sliding_window=True, sliding_window=64)
+    edit_hf_config(hf, use_sliding_window=True, sliding_window=64)
     return ["--hf_dir", str(hf)], "sliding_window=64 is not supported"
 
 
@@ -277,19 +248,19 @@ def missing_expert(tmp_path):
 
 def expert_width(tmp_path):
     hf = _saved(tmp_path, "qwen3_moe")
-    _edit_config(hf, moe_intermediate_size=64)
+    edit_hf_config(hf, moe_intermediate_size=64)
     return ["--hf_dir", str(hf)], "model.layers.0.mlp.experts.0.gate_proj.weight: shape [48, 64]"
 
 
 def fewer_experts(tmp_path):  # the config says 4 experts, the files hold 8
     hf = _saved(tmp_path)
-    _edit_config(hf, num_local_experts=4)
+    edit_hf_config(hf, num_local_experts=4)
     return ["--hf_dir", str(hf)], "model.layers.0.block_sparse_moe.gate.weight: shape [8, 64]"
 
 
 def too_many_per_token(tmp_path):
     hf = _saved(tmp_path)
-    _edit_config(hf, num_experts_per_tok=9)
+    edit_hf_config(hf, num_experts_per_tok=9)
     return ["--hf_dir", str(hf)], "num_experts_per_tok=9 exceeds num_local_experts=8"
 
 
@@ -302,13 +273,7 @@ def config_mismatch(tmp_path):
                                   qwen3_sliding_window, missing_expert, expert_width, fewer_experts,
                                   too_many_per_token, config_mismatch])
 def test_import_refusals_are_one_line_and_write_nothing(tmp_path, capsys, case):
-    args, expected = case(tmp_path)
-    capsys.readouterr()  # drop what transformers printed while writing the input
-    out = tmp_path / "out"
-    code = convert.main(["hf_to_maxtrain", *args[:2], "--out", str(out), *args[2:]])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and expected in err and len(err.splitlines()) == 1, err
-    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    assert_import_refused(tmp_path, capsys, *case(tmp_path))
 
 
 MOE = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true")
@@ -332,6 +297,7 @@ def test_export_refuses_what_no_hf_moe_expresses(overrides, expected):
         hf_format.hf_config_for(dict(c), "float32", None, None)
 
 
+@pytest.mark.slow
 def test_export_refusal_through_the_cli(tmp_path, capsys, train_tiny):
     train_tiny("enable_checkpointing=true", "steps=1", *MOE, "routed_scaling_factor=2.0")
     code = convert.main(["maxtrain_to_hf", "--checkpoint", str(tmp_path / "tiny" / "checkpoints" / "1"),

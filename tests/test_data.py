@@ -20,7 +20,8 @@ from maxtrain.data.streamed import Stream, StreamedRows
 from maxtrain.config.keys import ConfigError
 from maxtrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, make_tokenizer
 
-from conftest import SHAKESPEARE, TESTS
+from conftest import SHAKESPEARE, TESTS, xla_flags
+from helpers import Run, one_line, run_cli
 
 REPO = TESTS.parent
 
@@ -457,16 +458,12 @@ def test_tokenizer_larger_than_vocab_is_a_config_error(tiny_config, hf_tokenizer
 # ---- bad input through the CLI: one line naming the file; exit 2 before the run, 1 during it ------
 
 def cli(*args, tmp_path, config="configs/base.yml"):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    return subprocess.run([sys.executable, "-m", "maxtrain.train", config, *TEXT, "steps=2",
-                           f"base_output_directory={tmp_path / 'out'}", *args],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return run_cli(config, *TEXT, "steps=2", *args, out=tmp_path / "out", devices=1, timeout=300)
 
 
-def one_line(proc, code, expected):
-    assert proc.returncode == code, proc.stderr[-1500:]
-    assert proc.stderr.startswith(expected), proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+def refused(run, code, expected):
+    assert run.code == code, run.err[-1500:]
+    assert one_line(run.err).startswith(expected), run.err
 
 
 @pytest.mark.slow
@@ -513,7 +510,7 @@ def test_bad_inputs_name_the_file(tmp_path, tiny_config):
          "config error: tokenizer_path:"),
     ]
     for args, expected in cases:
-        one_line(cli(*args, tmp_path=tmp_path), 2, expected)
+        refused(cli(*args, tmp_path=tmp_path), 2, expected)
         assert not (tmp_path / "out").exists()
 
 
@@ -542,7 +539,7 @@ def test_a_file_found_bad_mid_run_stops_it_and_keeps_the_checkpoints(tmp_path, t
     if kind == "gz":
         proc = cli(*run, tmp_path=tmp_path, config=str(TESTS / "configs" / "tiny.yml"))
     else:  # a global shuffle reads any document first: damage the shard once a checkpoint is saved
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env = dict(os.environ, XLA_FLAGS=xla_flags(1))
         running = subprocess.Popen([sys.executable, "-m", "maxtrain.train", str(TESTS / "configs" / "tiny.yml"),
                                     *TEXT, f"base_output_directory={tmp_path / 'out'}", *run],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -555,28 +552,26 @@ def test_a_file_found_bad_mid_run_stops_it_and_keeps_the_checkpoints(tmp_path, t
                     f.write(b"\xff" * (len(good) - len(good) // 2))
                 break
         out_rest, err = running.communicate(timeout=300)
-        proc = subprocess.CompletedProcess(running.args, running.returncode, "".join(lines) + out_rest, err)
-    one_line(proc, 1, expected)
+        proc = Run(running.returncode, "".join(lines) + out_rest, err, 0.0)
+    refused(proc, 1, expected)
     saved = sorted(int(p.name) for p in (tmp_path / "out" / "r" / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved and f"saved checkpoint {saved[-1]} " in proc.stdout
+    assert saved and f"saved checkpoint {saved[-1]} " in proc.out
     bad.write_bytes(good)
     proc = cli(*run[:1], "steps=" + str(saved[-1] + 1), *run[2:], tmp_path=tmp_path,
                config=str(TESTS / "configs" / "tiny.yml"))
-    assert proc.returncode == 0 and f"resumed from {tmp_path}/out/r/checkpoints/{saved[-1]}" in proc.stdout, proc.stderr
+    assert proc.code == 0 and f"resumed from {tmp_path}/out/r/checkpoints/{saved[-1]}" in proc.out, proc.err
 
 
 @pytest.mark.slow
 def test_shakespeare_eval_loss_goes_down(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    proc = subprocess.run([sys.executable, "-m", "maxtrain.train", "configs/shakespeare.yml", "steps=40",
-                           "eval_interval=20", "eval_steps=5", "max_target_length=128", "per_device_batch_size=4",
-                           f"base_output_directory={tmp_path}", "enable_checkpointing=false", "run_name=shakespeare"],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_cli("configs/shakespeare.yml", "steps=40", "eval_interval=20", "eval_steps=5", "max_target_length=128",
+                   "per_device_batch_size=4", "enable_checkpointing=false", "run_name=shakespeare", out=tmp_path,
+                   devices=1)
+    assert proc.code == 0, proc.err[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "shakespeare" / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0] < np.log(259)
-    assert "perplexity" in proc.stdout
+    assert "perplexity" in proc.out
 
 
 @pytest.mark.slow
@@ -586,7 +581,7 @@ def test_host_memory_does_not_grow_with_the_corpus(tmp_path):
     (allocators, threads), while holding the corpus as Python strings, as the readers once did, would add
     more than the large corpus's 50 MB."""
     def peak_rss_mb(corpus_dir):
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env = dict(os.environ, XLA_FLAGS=xla_flags(1))
         proc = subprocess.Popen([sys.executable, "-m", "maxtrain.train", str(TESTS / "configs" / "tiny.yml"),
                                  "dataset_type=text", f"train_files={corpus_dir}/*", "vocab_size=384", "steps=3",
                                  "per_device_batch_size=8", f"base_output_directory={tmp_path / 'out'}",

@@ -14,6 +14,7 @@ import torch
 import test_convert
 import test_convert_moe
 from conftest import decode
+from helpers import load_maxtrain
 from maxtrain import convert
 from maxtrain.infer import reference
 from maxtrain.infer.decode import Engine
@@ -54,20 +55,26 @@ def imported(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("family", FAMILIES)
+def but_one(values, fast):
+    """The values as parameters, all but `fast` slow (the fast tier runs one case)."""
+    return [v if v == fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+@pytest.mark.parametrize("mesh", but_one(MESHES, "fsdp4xtensor2"))
+@pytest.mark.parametrize("family", but_one(FAMILIES, "llama"))
 def test_greedy_ids_with_the_cache_equal_transformers_and_the_full_rerun(imported, family, mesh):
     _, greedy, yml = imported(family)
     devices, overrides = MESHES[mesh]
-    c, trainer, params = test_convert.load_maxtrain(yml, *overrides, n_devices=devices)
+    c, trainer, params = load_maxtrain(yml, *overrides, n_devices=devices)
     assert decode(c, trainer, params, PROMPTS, NEW, batch_size=3) == greedy  # one batch, left-padded
     with mesh_lib.activate(trainer.mesh, trainer.rules):
         assert reference.full_rerun(c, trainer, params, PROMPTS[2], NEW) == greedy[2]
 
 
+@pytest.mark.slow
 def test_a_batch_gives_each_prompt_the_ids_it_gets_alone(imported):
     _, greedy, yml = imported("llama")
-    c, trainer, params = test_convert.load_maxtrain(yml, n_devices=1)
+    c, trainer, params = load_maxtrain(yml, n_devices=1)
     assert [decode(c, trainer, params, [p], NEW)[0] for p in PROMPTS] == greedy
     assert decode(c, trainer, params, PROMPTS, NEW, batch_size=2) == greedy  # two batches, the last one short
 
@@ -96,15 +103,17 @@ def step_logits_against_full_forward(c, trainer, params, prompts, steps):
                for t in range(steps + 1) for b, p in enumerate(prompts))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,mesh", [("llama", "1device"), ("mixtral", "fsdp4xtensor2"),
                                          ("qwen2", "expert4xfsdp2")])
 def test_each_decode_step_gives_the_full_forward_logits(imported, family, mesh):
     _, _, yml = imported(family)
     devices, overrides = MESHES[mesh]
-    c, trainer, params = test_convert.load_maxtrain(yml, *overrides, n_devices=devices)
+    c, trainer, params = load_maxtrain(yml, *overrides, n_devices=devices)
     assert step_logits_against_full_forward(c, trainer, params, PROMPTS, 12) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ("use_qk_norm=true", "logits_via_embedding=true"),
     ("rope_scaling_factor=8.0", "rope_original_max_position_embeddings=8", "rope_theta=500000.0"),
@@ -121,6 +130,7 @@ def test_the_other_model_options_decode_as_the_full_forward(tiny_config, overrid
     assert step_logits_against_full_forward(c, trainer, params, [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]], 16) <= 1e-4
 
 
+@pytest.mark.slow
 def test_int8_decodes_through_qwix_with_the_cache(tiny_config):
     """Quantized: activations scale per call, so the cache's steps are not the full forward's bits; the
     decode runs the unrolled layers under Qwix and gives ids in the vocabulary."""
@@ -141,15 +151,17 @@ def test_int8_decodes_through_qwix_with_the_cache(tiny_config):
 @pytest.fixture(scope="module")
 def llama(imported):
     _, greedy, yml = imported("llama")
-    return (*test_convert.load_maxtrain(yml, n_devices=1), greedy)
+    return (*load_maxtrain(yml, n_devices=1), greedy)
 
 
+@pytest.mark.slow
 def test_top_k_1_and_a_tiny_top_p_are_greedy(llama):
     c, trainer, params, greedy = llama
     assert decode(c, trainer, params, PROMPTS, NEW, Sampling(temperature=1.0, top_k=1, seed=3)) == greedy
     assert decode(c, trainer, params, PROMPTS, NEW, Sampling(temperature=2.0, top_p=1e-6, seed=3)) == greedy
 
 
+@pytest.mark.slow
 def test_a_sample_depends_on_the_seed_and_the_prompt_number_only(llama):
     c, trainer, params, _ = llama
     hot = Sampling(temperature=1.0, top_k=40, top_p=0.9, seed=7)
@@ -193,7 +205,7 @@ def test_one_prefill_and_one_decode_program_serve_every_prompt_length_of_a_bucke
 
 def test_the_cache_splits_rows_over_batch_then_kv_heads_and_costs_its_formula(imported):
     _, _, yml = imported("llama")
-    c, trainer, params = test_convert.load_maxtrain(yml, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    c, trainer, params = load_maxtrain(yml, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
     engine = Engine(c, trainer.mesh)
     shape = engine.shape(PROMPTS, NEW, 3)
     assert (shape.rows, shape.prompt_slots, shape.slots) == (4, 32, 64)  # 3 prompts on 4 fsdp shards; 32 + 31 padded
@@ -209,6 +221,7 @@ def test_the_cache_splits_rows_over_batch_then_kv_heads_and_costs_its_formula(im
     assert np.asarray(start).tolist() == [27, 30, 13, 27]  # left-padded to 32; the unused row copies the first
 
 
+@pytest.mark.slow
 def test_under_context_parallelism_the_cache_slots_split_over_the_context_axis(tiny_config):
     """The rule cache_length -> context: each context device holds and scores its share of the slots (the
     softmax's sums are reduced across them), with one device's ids."""
@@ -229,6 +242,7 @@ def test_under_context_parallelism_the_cache_slots_split_over_the_context_axis(t
     assert shape.slots % 4 == 0 and tuple(spec)[:2] == ("fsdp", "context")
 
 
+@pytest.mark.slow
 def test_the_prefill_runs_through_each_training_kernel(tiny_config):
     """A 300-token prompt: blockwise's blocks of 256 queries, jax_nn, dot_product give the same ids."""
     long_prompt = [int(x) for x in np.random.RandomState(5).randint(1, 256, 300)]

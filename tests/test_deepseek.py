@@ -26,7 +26,8 @@ from maxtrain.training import step as step_lib
 
 from conftest import decode
 from test_attention_variants import reference
-from test_convert_moe import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
+from helpers import TOLERANCE, hf_logits, maxtrain_logits, random_hf
+from test_convert_moe import load_maxtrain
 from test_decode import step_logits_against_full_forward
 from test_metrics import xla_and_formula_flops
 
@@ -34,6 +35,7 @@ from test_metrics import xla_and_formula_flops
 # Latent attention's shapes through the kernels: values narrower than queries and keys
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["dot_product", "blockwise", "jax_nn", "splash"])
 def test_every_kernel_takes_values_of_another_width(kernel):
     """q/k heads of 24, values of 12 (MLA's P + R and J), packed documents, 320 positions (blockwise: two
@@ -98,11 +100,8 @@ TOKENS = np.random.RandomState(0).randint(0, SMALL["vocab_size"], (4, 24))
 def random_deepseek(kind="v3", **overrides):
     """Every tensor random (norms about 1, the rest about 0.1), the balancing bias too."""
     config_cls, model_cls, extra = VARIANTS[kind]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**{**SMALL, **extra, **overrides}, attn_implementation="eager")).eval()
+    model = random_hf(model_cls, config_cls(**{**SMALL, **extra, **overrides}, attn_implementation="eager"))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
@@ -125,6 +124,7 @@ def imported(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,scan,kernel", [("v3", True, "dot_product"), ("v3", False, "blockwise"),
                                               ("v3-no-q-lora", True, "blockwise"), ("v3-no-q-lora", False, "jax_nn"),
                                               ("v3-halves", True, "dot_product"), ("v2", False, "dot_product")])
@@ -139,6 +139,7 @@ def test_imported_model_gives_hf_logits(imported, kind, scan, kernel):
     assert np.abs(maxtrain_logits(trainer, params, TOKENS) - ref).max() <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_the_groups_the_bias_the_rope_order_and_mscale_each_matter(imported):
     """Parity is no accident: without the groups, the balancing bias, the interleaved order undone, or
     mscale_all_dim's factor on the scores, the logits move."""
@@ -186,6 +187,7 @@ def test_export_of_halves_writes_the_interleaved_layout_with_the_same_logits(tmp
     assert np.abs(hf_logits(again, TOKENS) - hf_logits(model, TOKENS)).max() <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["v3", "v3-no-q-lora"])
 def test_greedy_ids_through_the_latent_cache_equal_transformers(imported, kind):
     model, yml = imported(kind, True)
@@ -198,6 +200,7 @@ def test_greedy_ids_through_the_latent_cache_equal_transformers(imported, kind):
         assert len(ids) == 32 and ids == ref
 
 
+@pytest.mark.slow
 def test_each_latent_decode_step_gives_the_full_forward_logits(imported):
     _, yml = imported("v3", True)
     c, trainer, params = load_maxtrain(yml, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
@@ -307,6 +310,7 @@ def test_each_depth_takes_the_tokens_k_ahead_within_the_document():
     np.testing.assert_array_equal(mtp.depth_tokens(out, 2)[1], out["mtp_inputs_2"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["model_name=deepseek-v3-tiny", "use_qk_norm=false"])  # and base.yml's Llama
 def test_the_loss_adds_each_depths_cross_entropy_scaled(tiny_config, family):
     """loss_fn's total: the main sum plus mtp_loss_scaling_factor x the depths' sums averaged over depths;
@@ -329,6 +333,7 @@ def test_the_loss_adds_each_depths_cross_entropy_scaled(tiny_config, family):
     assert np.log(c.vocab_size) - 1 < mean < np.log(c.vocab_size) + 1  # an untrained depth: about uniform
 
 
+@pytest.mark.slow
 def test_mtp_depths_go_out_in_deepseeks_layout_and_come_back(tmp_path, tiny_config):
     """A model with a depth, exported: transformers loads it (ignoring the depth) with the model's logits;
     the files hold the depth as layer L (enorm, hnorm, eh_proj, shared_head, its layer, copies of the
@@ -375,13 +380,13 @@ MESH_RUNS = {"expert4xfsdp2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism
 
 
 @pytest.mark.slow
-def test_the_same_losses_on_every_mesh_with_mtp(train_tiny):
+@pytest.mark.parametrize("mesh", list(MESH_RUNS))
+def test_the_same_losses_on_every_mesh_with_mtp(train_tiny, reference_losses, mesh):
     """5 steps, float32, the tiny DeepSeek-V3 with its multi-token prediction depth, the same global batch of 8:
     one device, expert 4 x fsdp 2, tensor 2 x fsdp 4 and context 2 x fsdp 4 (zigzag order: each depth's
     targets are shifted in sequence order first)."""
     common = ("model_name=deepseek-v3-tiny", "dtype=float32", "vocab_size=256", "steps=5", "log_period=1")
-    one = train_tiny(*common, "per_device_batch_size=8", "run_name=one", n_devices=1)["losses"]
+    one = reference_losses(*common, "per_device_batch_size=8")
     assert len(one) == 5 and one[-1] < one[0]
-    for name, overrides in MESH_RUNS.items():
-        losses = train_tiny(*common, *overrides, f"run_name={name}")["losses"]
-        np.testing.assert_allclose(losses, one, rtol=2e-5, err_msg=name)
+    losses = train_tiny(*common, *MESH_RUNS[mesh], f"run_name={mesh}")["losses"]
+    np.testing.assert_allclose(losses, one, rtol=2e-5, err_msg=mesh)

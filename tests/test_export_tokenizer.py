@@ -46,6 +46,7 @@ def as_the_run_encodes(c, text):
     return tok.encode(text).tolist()
 
 
+@pytest.mark.slow
 def test_a_run_with_a_tokenizer_json_exports_what_transformers_loads(tmp_path, hf_tokenizer_json, capsys):
     c, step = trained(tmp_path, "hf", "dataset_type=text", f"train_files={SHAKESPEARE}", "vocab_size=640",
                       "tokenizer_type=huggingface", f"tokenizer_path={hf_tokenizer_json}", "hf_bos_token=<s>",
@@ -81,6 +82,7 @@ def test_a_byte_level_run_exports_a_tokenizer_that_spells_it(tmp_path, capsys):
     assert tok.decode(as_the_run_encodes(c, TEXT), skip_special_tokens=True) == TEXT
 
 
+@pytest.mark.slow
 def test_synthetic_data_has_no_tokenizer_and_a_moved_tokenizer_is_one_line(tmp_path, hf_tokenizer_json, capsys):
     c, step = trained(tmp_path, "synthetic")
     code, err = export(step, tmp_path / "out", capsys)
@@ -101,6 +103,7 @@ def test_synthetic_data_has_no_tokenizer_and_a_moved_tokenizer_is_one_line(tmp_p
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.slow
 def test_a_sentencepiece_run_exports_its_model_file(tmp_path, capsys):
     import mistral_common
     model = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"  # Llama/Mistral's

@@ -6,7 +6,6 @@ time, and must never cost the last good checkpoint.
 
 import json
 import math
-import os
 import re
 import shutil
 import signal
@@ -22,30 +21,9 @@ import pytest
 from maxtrain.data import pipeline as data
 from maxtrain import train
 from conftest import TINY, TESTS, tmpfs
+from helpers import main_in_process, one_line, run_cli
 
 CKPT = ("enable_checkpointing=true",)
-
-
-def run_cli(*args, out, timeout=180, module="maxtrain.train", base_output=True):
-    """The CLI as a user runs it: (exit code, stdout, stderr, seconds)."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", module, *args, *[f"base_output_directory={out}"] * base_output],
-                          capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent,
-                          env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
-    return proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - t0
-
-
-def one_line(err: str) -> str:
-    assert "Traceback" not in err, err[-3000:]
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err[-3000:]
-    return lines[0]
-
-
-def main_in_process(argv, capsys) -> tuple[int, str]:
-    """train.main without a subprocess, for errors found before anything compiles."""
-    code = train.main(argv)
-    return code, capsys.readouterr().err
 
 
 # ---- bad values and files: exit 2, one line naming the key or file ---------------------------------
@@ -90,6 +68,7 @@ def write_array_record(path: Path, records: list[bytes]) -> None:
     writer.close()
 
 
+@pytest.mark.slow
 def test_bad_data_files_name_the_file(capsys, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -206,6 +185,7 @@ def stream(monkeypatch, wrapper, bad):
     monkeypatch.setattr(data, "make_iterators", lambda c, sharding, *_: (wrapper(make(c, sharding)[0], bad), None))
 
 
+@pytest.mark.slow
 def test_rollback_equals_a_run_that_skipped_those_batches(train_tiny, tmp_path, monkeypatch, capsys):
     # Checkpoints at 4 and 8; batch 6 (step 7) is poisoned. The rollback restores step 4 and skips the
     # batches of steps 5-7 (4, 5, 6): from then on it must be the run that never saw them.
@@ -236,6 +216,7 @@ def test_skip_drops_the_update_and_goes_on(train_tiny, tmp_path, monkeypatch):
     assert rows[2]["train/loss"] is None and rows[2]["train/nonfinite"] == 1.0 and rows[5]["train/nonfinite_steps"] == 1
 
 
+@pytest.mark.slow
 def test_stop_saves_nothing_after_the_bad_step_and_resumes(train_tiny, tmp_path, monkeypatch, capsys):
     # Step 5 is the first step on checkpoint 4's parameters and it is not finite: 4 is never trusted, so
     # the resume starts from 2 and keeps 4 aside, named in one line.
@@ -302,6 +283,7 @@ def damage(kind: str, step_dir: Path) -> None:
                 f.write_bytes(b"\x00garbage{{")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bit flips", "missing file", "truncated file", "empty directory",
                                   "garbage model description"])
 def test_a_damaged_latest_step_falls_back_to_the_previous(kind, train_tiny, tmp_path, capsys):
@@ -337,6 +319,7 @@ def test_every_array_file_damaged_falls_back_without_noise(how, tmp_path):
     assert "10 is unusable" in out and "resumed from" in out and "/checkpoints/5" in out
 
 
+@pytest.mark.slow
 def test_no_usable_step_is_one_line(train_tiny, tmp_path, capsys):
     train_tiny(*CKPT, "run_name=ruined", "steps=4", "checkpoint_period=2")
     for step in ("2", "4"):
@@ -347,6 +330,7 @@ def test_no_usable_step_is_one_line(train_tiny, tmp_path, capsys):
     assert code == 2 and "no usable checkpoint" in line and "step 4:" in line and "step 2:" in line
 
 
+@pytest.mark.slow
 def test_resuming_with_another_optimizer_dtype_is_refused(train_tiny, tmp_path, capsys):
     train_tiny(*CKPT, "run_name=dtype", "steps=2")
     saved_config = (tmp_path / "dtype" / "config.yml").read_bytes()
@@ -357,6 +341,7 @@ def test_resuming_with_another_optimizer_dtype_is_refused(train_tiny, tmp_path, 
     assert (tmp_path / "dtype" / "config.yml").read_bytes() == saved_config  # the refused config is not kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, expected", [
     ("load_parameters_path={tmp}/nowhere", "checkpoint error: load_parameters_path: "),
     ("load_full_state_path={tmp}/dtype/checkpoints/2", "checkpoint error: load_full_state_path: "),
@@ -392,7 +377,7 @@ def test_a_finite_blow_up_never_costs_the_last_trusted_checkpoint(tmp_path):
     assert trust["trusted"] == [10] and sorted(trust["rejected"]) == ["16", "18", "20"]
     # Loading a rejected step on purpose works, with one warning line saying so.
     code, out, err, _ = run_cli("maxtrain_to_hf", "--checkpoint", str(ckpts / "20"), "--out", str(tmp_path / "hf"),
-                                out=tmp_path, module="maxtrain.convert", base_output=False)
+                                module="maxtrain.convert")
     assert code == 0 and f"warning: {ckpts.absolute() / '20'} is not trusted (step 21, the first on its " \
         "parameters, was not finite)" in out, out + err[-2000:]
     # The rerun with a sane learning rate resumes from 10, naming the steps it keeps aside in one line.
@@ -406,6 +391,7 @@ def test_a_finite_blow_up_never_costs_the_last_trusted_checkpoint(tmp_path):
                                                        "trust.json"]
 
 
+@pytest.mark.slow
 def test_rollback_restores_the_newest_trusted_step(train_tiny, tmp_path, monkeypatch, capsys):
     # Saves at 2, 4, 6; batch 6 (step 7, the first on checkpoint 6's parameters) is poisoned. Checkpoint 6
     # is not trusted, so the rollback goes back to 4 and skips the batches of steps 5-7.
@@ -488,6 +474,7 @@ def test_disk_full_is_one_line_and_keeps_the_last_good_checkpoint(small_disk, tm
                                 saved_params(tmp_path / "moved" / "straight" / "checkpoints" / str(good[-1])))
 
 
+@pytest.mark.slow
 def test_verdicts_that_cannot_be_written_stop_the_run_naming_the_last_good_checkpoint(train_tiny, tmp_path):
     from maxtrain.checkpoint.manager import SaveError
     train_tiny(*CKPT, "steps=2", "checkpoint_period=2")
@@ -525,6 +512,7 @@ def test_sigterm_during_start_up_exits_cleanly(tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_step_time_excludes_checkpoint_saves(train_tiny, tmp_path, monkeypatch):
     from maxtrain.checkpoint import manager as ckpt_lib
     save = ckpt_lib.Checkpointer.save

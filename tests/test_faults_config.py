@@ -6,7 +6,7 @@ import pytest
 from maxtrain.config import load as config, validate
 from maxtrain.config.resolve import resolve
 from conftest import TINY, TESTS
-from test_faults import main_in_process, one_line, run_cli
+from helpers import main_in_process, one_line, run_cli
 
 BASE = str(config.BASE_YML)
 
@@ -160,6 +160,7 @@ def test_no_effect_warnings():
     assert warnings(*MOE, "capacity_factor=1.25") == []
 
 
+@pytest.mark.slow
 def test_no_effect_settings_warn_once_and_the_run_succeeds(tmp_path):
     code, out, err, _ = run_cli(TINY, "steps=2", "eval_interval=1", "profiler=xplane", "profiler_start_step=9",
                                 out=tmp_path)

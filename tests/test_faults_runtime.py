@@ -17,8 +17,9 @@ from maxtrain.observe import fit, writers as metric_writers, summary
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain import train
 from maxtrain.config.resolve import resolve
-from conftest import TINY, TESTS
-from test_faults import CKPT, one_line, run_cli, small_disk  # noqa: F401 (a fixture)
+from conftest import TESTS, TINY, xla_flags
+from helpers import one_line, run_cli
+from test_faults import CKPT, small_disk  # noqa: F401 (a fixture)
 
 REPO = TESTS.parent
 
@@ -166,7 +167,7 @@ def start_job(out: Path, *args) -> list[subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
     return [subprocess.Popen([os.sys.executable, "-m", "maxtrain.train", TINY, f"base_output_directory={out}", *args,
                               f"coordinator_address=127.0.0.1:{port}", "num_processes=2", f"process_id={i}"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)

@@ -24,8 +24,9 @@ from maxtrain.config.resolve import resolve
 from maxtrain.training import step as step_lib
 from maxtrain import train
 from conftest import TINY, decode
-from test_convert import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits, random_hf_model
-from test_faults import main_in_process, one_line
+from helpers import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
+from test_convert import random_hf_model
+from helpers import main_in_process, one_line
 
 RTOL = 1e-5
 FLOAT32 = ("dtype=float32", "weight_dtype=float32")
@@ -70,6 +71,7 @@ def test_vocab_32001_on_tensor_2_trains_like_one_device_and_resumes_on_one_devic
     np.testing.assert_allclose(resumed_one["losses"], resumed_mesh["losses"], rtol=RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_padded_vocab_is_masked_out_of_the_loss_logits_and_sampling(tiny_config, tied):
     """Padding columns set far above every true logit: were they not masked, greedy decoding would pick
@@ -138,6 +140,7 @@ def test_width_the_mesh_does_not_divide_trains_like_one_device(train_tiny, tmp_p
     np.testing.assert_allclose(sharded["losses"], one["losses"], rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_the_planners_resolve_as_the_shardings_do(tiny_config):
     """The one resolver (the checks, platform defaults) and the parameters' real shardings agree, and the
     state's planned size is what a device holds."""

@@ -16,10 +16,10 @@ import pytest
 from maxtrain.checkpoint import manager as ckpt_lib
 from maxtrain import compile as compile_lib, convert, generate, train
 from maxtrain.observe import fit
-from conftest import TESTS, TINY, tmpfs
-from test_faults import main_in_process, one_line
+from conftest import TESTS, TINY, tmpfs, xla_flags
+from helpers import main_in_process, one_line
 
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
 
 
 def run_module(module: str, *args, env=None, timeout=300):
@@ -86,6 +86,7 @@ def nothing_at(out: Path) -> bool:
 
 # ---- exports and generation verify the digest -------------------------------------------------
 
+@pytest.mark.slow
 def test_export_of_a_damaged_step_is_refused_and_writes_nothing(damaged_step, tmp_path):
     out = tmp_path / "hf"
     code, stdout, err, _ = run_module("maxtrain.convert", "maxtrain_to_hf", "--checkpoint", str(damaged_step),
@@ -96,6 +97,7 @@ def test_export_of_a_damaged_step_is_refused_and_writes_nothing(damaged_step, tm
     assert line.endswith("the checkpoint is damaged; nothing written") and nothing_at(out)
 
 
+@pytest.mark.slow
 def test_generate_and_resume_refuse_the_same_step(damaged_step, capsys):
     code = generate.main([TINY, f"load_parameters_path={damaged_step}", "prompt_ids=1,2,3", "max_new_tokens=2"])
     line = one_line(capsys.readouterr().err)
@@ -107,6 +109,7 @@ def test_generate_and_resume_refuse_the_same_step(damaged_step, capsys):
     assert code == 2 and "no usable checkpoint" in one_line(err) and "differ from their checksums" in err
 
 
+@pytest.mark.slow
 def test_an_intact_step_still_exports(step_dir, tmp_path):
     # Stacked layers (read one parameter at a time) and unrolled ones (one layer at a time): every
     # array read matches its digest entry.
@@ -228,6 +231,7 @@ def test_a_prompt_that_fills_the_context_is_refused(step_dir, capsys):
                                                  "max_target_length=32")
 
 
+@pytest.mark.slow
 def test_a_cache_that_does_not_fit_the_device_is_refused_before_it_runs(step_dir, capsys, monkeypatch):
     # Here a device with 1 KiB: the compiled prefill's and decode's footprints are checked before the first token.
     monkeypatch.setattr(fit, "device_memory", lambda device: (1024.0, "a 1 KiB test device"))

@@ -14,7 +14,7 @@ from maxtrain.models import hf as hf_format, registry
 from maxtrain.runtime.errors import ConvertError
 
 from conftest import decode
-from test_convert import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
+from helpers import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits, norms_about_one, random_hf
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=256)
@@ -40,13 +40,9 @@ TOKENS = np.random.RandomState(0).randint(0, SMALL["vocab_size"], (4, 4 * WINDOW
 
 
 def random_model(kind):
-    torch.manual_seed(0)
-    model = MODELS[kind]().float().eval()
-    with torch.no_grad():  # norms and biases randomized too, so every mapping is exercised
-        for name, p in model.named_parameters():
-            p.copy_(0.1 * torch.randn_like(p) if "norm" in name and kind.startswith("gemma")
-                    else 1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    return model
+    """Every tensor random; Gemma's norms scale by 1 + weight, so theirs are about 0."""
+    values = (lambda name: (0.0, 0.1)) if kind.startswith("gemma") else norms_about_one
+    return random_hf(lambda config: MODELS[kind]().float(), None, values)
 
 
 def imported(tmp_path, kind, *overrides):
@@ -56,6 +52,7 @@ def imported(tmp_path, kind, *overrides):
     return model, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,scan", [("gemma3", True), ("gemma3", False), ("gemma3-untied", True),
                                        ("gemma2", True), ("mistral-window", True), ("mistral-window", False)])
 def test_imported_model_gives_hf_logits(tmp_path, kind, scan):
@@ -85,6 +82,7 @@ def test_export_reloads_in_transformers_with_the_same_logits(tmp_path, kind):
     np.testing.assert_allclose(hf_logits(again, TOKENS), hf_logits(model, TOKENS), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fresh_gemma_exports_without_a_source(tmp_path, train_tiny):
     train_tiny("enable_checkpointing=true", "steps=2", "model_name=gemma3-tiny", "dtype=float32")
     convert.maxtrain_to_hf(str(tmp_path / "tiny" / "checkpoints" / "2"), str(tmp_path / "hf"))
@@ -115,6 +113,7 @@ def test_a_variant_llama_cannot_carry_is_refused_at_export():
         hf_format.hf_kind(dict(c))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "gemma2", "mistral-window"])
 def test_greedy_generation_matches_transformers(tmp_path, kind):
     model, out = imported(tmp_path, kind)
@@ -136,17 +135,18 @@ MESHES = {"fsdp4xtensor2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("model", list(MESH_MODELS))
-def test_the_same_losses_on_every_mesh(train_tiny, model):
+def test_the_same_losses_on_every_mesh(train_tiny, reference_losses, model, mesh):
     """5 steps of training in float32 on 1 device and on 8-device meshes: the same sums in other orders."""
     keys = (*MESH_MODELS[model], "dtype=float32")
-    one = train_tiny(*keys, "per_device_batch_size=8", "run_name=one", n_devices=1)["losses"]
+    one = reference_losses(*keys, "per_device_batch_size=8")
     assert len(one) == 5 and one[-1] < one[0]
-    for name, mesh in MESHES.items():
-        losses = train_tiny(*keys, *mesh, f"run_name={name}")["losses"]
-        np.testing.assert_allclose(losses, one, rtol=1e-5, err_msg=name)
+    losses = train_tiny(*keys, *MESHES[mesh], f"run_name={mesh}")["losses"]
+    np.testing.assert_allclose(losses, one, rtol=1e-5, err_msg=mesh)
 
 
+@pytest.mark.slow
 def test_the_fused_loss_with_a_final_soft_cap_matches_autodiff():
     import jax
     import jax.numpy as jnp

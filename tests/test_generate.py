@@ -10,7 +10,7 @@ import pytest
 
 from maxtrain import generate, train
 from conftest import TINY
-from test_faults import one_line
+from helpers import one_line
 
 BYTES = ("vocab_size=384",)  # the byte tokenizer's 259 ids, padded: text prompts
 
@@ -28,6 +28,7 @@ def ids_printed(out: str) -> list[list[int]]:
     return [json.loads(x) for x in re.findall(r"generated ids: (\[[0-9, ]*\])", out)]
 
 
+@pytest.mark.slow
 def test_a_prompt_file_in_batches_as_a_user_runs_it(step_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ROMEO:\n\nJULIET: O Romeo\nTo be\n", encoding="utf-8")  # the blank line is skipped
@@ -49,6 +50,7 @@ def test_a_prompt_file_in_batches_as_a_user_runs_it(step_dir, tmp_path):
     assert ids_printed(alone.stdout) == batched  # the same samples one prompt at a time
 
 
+@pytest.mark.slow
 def test_output_piped_into_head_ends_quietly(step_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"prompt {i}\n" for i in range(40)))
@@ -101,6 +103,7 @@ def test_a_prompt_file_line_too_long_for_the_context_is_refused(step_dir, tmp_pa
 
 # ---- samples during training ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_training_prints_and_logs_samples_every_sample_interval(tmp_path, capsys):
     c = train.load_config([TINY, *BYTES, f"base_output_directory={tmp_path}", "steps=4", "sample_interval=2",
                            'sample_prompts=["ROMEO:", "To be"]', "max_new_tokens=6", "metrics_backends=jsonl,tensorboard"])
@@ -118,6 +121,7 @@ def test_training_prints_and_logs_samples_every_sample_interval(tmp_path, capsys
     assert events and b"samples" in events[0].read_bytes()
 
 
+@pytest.mark.slow
 def test_a_step_rolled_back_shows_no_sample(tmp_path, capsys):
     """Every step 2 here is non-finite (and rolled back, until max_nonfinite_steps ends the run): the step is
     checked before its sample, so no sample of it is shown or logged."""
@@ -144,6 +148,7 @@ def test_sample_keys_are_checked_before_training(tmp_path, capsys, args, expecte
     assert not (tmp_path / "tiny").exists()  # refused before the run directory is made
 
 
+@pytest.mark.slow
 def test_samples_longer_than_the_context_stop_early_with_a_warning(tmp_path, capsys):
     """A context shortened below the config's max_new_tokens (shakespeare.yml's 64 at max_target_length=64):
     one warning, and the samples stop where the context ends; the run trains on."""

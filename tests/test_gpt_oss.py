@@ -22,7 +22,8 @@ from maxtrain.ops import grouped_matmul as gmm
 from maxtrain.runtime.errors import ConvertError
 
 from conftest import decode
-from test_convert_moe import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
+from helpers import TOLERANCE, hf_logits, maxtrain_logits, norms_about_one, random_hf
+from test_convert_moe import load_maxtrain
 from test_moe import MESHES, apply_block, block_args, init_block, mesh_overrides, random_x
 
 GPT_OSS_MOE = ("mlp_bias=true", "router_logit_bias=true", "mlp_activation=clamped_swiglu",
@@ -54,6 +55,7 @@ def gpt_oss_reference(args, params, x):
     return out.reshape(x.shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["blocked", "ragged_dot", "tokamax"])
 @pytest.mark.parametrize("mesh", [None, "expert4xfsdp2", "expert2xtensor2xdata2"])
 def test_moe_block_equals_the_reference(tiny_config, method, mesh):
@@ -66,6 +68,7 @@ def test_moe_block_equals_the_reference(tiny_config, method, mesh):
     np.testing.assert_allclose(out, gpt_oss_reference(args, params, x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_moe_block_with_capacity_drops_the_down_bias_too(tiny_config):
     """A dropped assignment contributes nothing, its expert's down bias included: capacity 0.5 on the
     expert-parallel mesh equals the reference with the dropped experts' weights zeroed."""
@@ -79,6 +82,7 @@ def test_moe_block_with_capacity_drops_the_down_bias_too(tiny_config):
     np.testing.assert_allclose(dropless, gpt_oss_reference(args, params, x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_megablox_with_biases_equals_blocked_in_the_interpreter(monkeypatch):
     """The TPU kernel's bias path (Pallas' interpreter on CPU): the same values and gradients as blocked's,
     rows past the groups 0."""
@@ -117,14 +121,9 @@ TOKENS = np.random.RandomState(0).randint(0, SMALL["vocab_size"], (4, 24))  # 3 
 
 
 def random_gpt_oss(**overrides):
-    """Every tensor random: norms about 1, the rest (sinks and every bias included) about 0.1."""
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**{**SMALL, **overrides}, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p) if "sinks" in name
-                    else 0.1 * torch.randn_like(p))
-    return model
+    """Every tensor random: norms about 1, the sinks about 0.5, the rest (every bias included) about 0.1."""
+    return random_hf(GptOssForCausalLM, GptOssConfig(**{**SMALL, **overrides}, attn_implementation="eager"),
+                     lambda name: (0.0, 0.5) if "sinks" in name else norms_about_one(name))
 
 
 def test_save_pretrained_layout():
@@ -138,6 +137,7 @@ def test_save_pretrained_layout():
     assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan,matmul,attention", [(True, "blocked", "dot_product"),
                                                    (False, "ragged_dot", "blockwise")])
 def test_imported_model_gives_hf_logits(tmp_path, scan, matmul, attention):
@@ -153,6 +153,7 @@ def test_imported_model_gives_hf_logits(tmp_path, scan, matmul, attention):
     assert np.abs(ours - ref).max() <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_the_window_the_clamps_and_yarn_each_matter(tmp_path):
     """The parity above is no accident of small inputs: without the window, the clamps or yarn, the logits move."""
     model = random_gpt_oss()
@@ -196,6 +197,7 @@ def test_export_without_an_hf_source_writes_gpt_oss(tmp_path):
     np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(model, TOKENS))
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(tmp_path):
     model = random_gpt_oss()
     model.save_pretrained(tmp_path / "hf")
@@ -275,16 +277,15 @@ GPT_OSS_TINY = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true",
                 "attention_out_bias=true", "attention_sinks=true", "sliding_window_size=8", "global_layer_interval=2",
                 "rope_type=yarn", "rope_scaling_factor=4.0", "rope_original_max_position_embeddings=16",
                 "rope_yarn_truncate=false", *GPT_OSS_MOE)
+MESH_RUNS = {"fsdp4xtensor2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
+             "expert4xfsdp2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2")}
 
 
 @pytest.mark.slow
-def test_the_same_losses_on_every_mesh(train_tiny):
+@pytest.mark.parametrize("mesh", list(MESH_RUNS))
+def test_the_same_losses_on_every_mesh(train_tiny, reference_losses, mesh):
     """5 steps of training, float32, sequences of 4 windows: one device, fsdp 4 x tensor 2, expert 4 x fsdp 2."""
-    runs = {"one": train_tiny(*GPT_OSS_TINY, "per_device_batch_size=8", "run_name=one", n_devices=1)["losses"],
-            "fsdp4xtensor2": train_tiny(*GPT_OSS_TINY, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2",
-                                        "run_name=ft")["losses"],
-            "expert4xfsdp2": train_tiny(*GPT_OSS_TINY, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
-                                        "run_name=ef")["losses"]}
-    assert len(runs["one"]) == 5 and runs["one"][-1] < runs["one"][0]
-    for name, losses in runs.items():
-        np.testing.assert_allclose(losses, runs["one"], rtol=1e-5, err_msg=name)
+    one = reference_losses(*GPT_OSS_TINY, "per_device_batch_size=8")
+    assert len(one) == 5 and one[-1] < one[0]
+    losses = train_tiny(*GPT_OSS_TINY, *MESH_RUNS[mesh], f"run_name={mesh}")["losses"]
+    np.testing.assert_allclose(losses, one, rtol=1e-5, err_msg=mesh)

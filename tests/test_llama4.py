@@ -19,7 +19,8 @@ from maxtrain.ops import attention
 from maxtrain.runtime.errors import ConfigError, ConvertError
 
 from conftest import decode
-from test_convert_moe import TOLERANCE, hf_logits, load_maxtrain, maxtrain_logits
+from helpers import TOLERANCE, hf_logits, maxtrain_logits, random_hf
+from test_convert_moe import load_maxtrain
 
 # top-2 of 4 experts (Scout and Maverick route top-1: two make the input scaling per assignment matter),
 # chunks of 8, temperature from position 3 on, llama3 RoPE with Scout's equal frequency factors
@@ -33,13 +34,7 @@ TOKENS = np.random.RandomState(0).randint(3, SMALL["vocab_size"], (4, 24))  # 3 
 
 
 def random_llama4(**overrides):
-    """Every tensor random: norms about 1, the rest about 0.1."""
-    torch.manual_seed(0)
-    model = Llama4ForCausalLM(Llama4TextConfig(**{**SMALL, **overrides}, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    return model
+    return random_hf(Llama4ForCausalLM, Llama4TextConfig(**{**SMALL, **overrides}, attn_implementation="eager"))
 
 
 def imported(tmp_path, model, *overrides):
@@ -60,6 +55,7 @@ def test_save_pretrained_layout():
     assert model.config.no_rope_layers == [1, 1, 1, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan,matmul,kernel,step", [
     (True, "blocked", "dot_product", 1), (False, "ragged_dot", "blockwise", 1), (True, "blocked", "blockwise", 2),
     (False, "blocked", "dot_product", 2)],
@@ -80,6 +76,7 @@ def test_imported_model_gives_hf_logits(tmp_path, scan, matmul, kernel, step):
     assert np.abs(ours - ref).max() <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_the_chunks_the_temperature_the_l2_norm_and_the_input_scaling_each_matter(tmp_path):
     """The parity above is no accident: without any one of Llama 4's own pieces, the logits move."""
     model = random_llama4()
@@ -112,6 +109,7 @@ def test_export_is_bitwise_and_reloads_in_transformers(tmp_path, step, scan):
     np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(model, TOKENS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [1, 2])
 def test_greedy_generation_matches_transformers(tmp_path, step):
     model = random_llama4(interleave_moe_layer_step=step)
@@ -190,19 +188,19 @@ def test_the_family_counts_its_parameters_as_its_model_and_transformers_do(tiny_
 
 LLAMA4_TINY = ("model_name=llama4-tiny", "chunk_attn_window_size=8", "temperature_tuning_floor_scale=4",
                "interleave_moe_layer_step=2")
+MESH_RUNS = {"expert4xfsdp2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
+             "context2xfsdp4": ("ici_context_parallelism=2", "ici_fsdp_parallelism=4")}
 
 
 @pytest.mark.slow
-def test_the_same_losses_on_every_mesh(train_tiny):
+@pytest.mark.parametrize("mesh", list(MESH_RUNS))
+def test_the_same_losses_on_every_mesh(train_tiny, reference_losses, mesh):
     """5 steps of training, float32, sequences of 4 chunks, MoE and dense layers interleaved (a scanned step of
     two layers): one device, expert 4 x fsdp 2, context 2 x fsdp 4."""
-    runs = {"one": train_tiny(*LLAMA4_TINY, "per_device_batch_size=8", "run_name=one", n_devices=1)["losses"],
-            "expert4xfsdp2": train_tiny(*LLAMA4_TINY, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
-                                        "run_name=ef")["losses"],
-            "context2xfsdp4": train_tiny(*LLAMA4_TINY, "ici_context_parallelism=2", "ici_fsdp_parallelism=4",
-                                         "run_name=cf")["losses"]}
-    assert len(runs["one"]) == 5 and runs["one"][-1] < runs["one"][0]
-    for name, losses in runs.items():
-        print(f"llama4 losses {name}: {' '.join(f'{x:.6f}' for x in losses)}")  # shown with pytest -s
-        np.testing.assert_allclose(losses, runs["one"], rtol=1e-5, err_msg=name)
+    one = reference_losses(*LLAMA4_TINY, "per_device_batch_size=8")
+    assert len(one) == 5 and one[-1] < one[0]
+    losses = train_tiny(*LLAMA4_TINY, *MESH_RUNS[mesh], f"run_name={mesh}")["losses"]
+    for name, run in (("one", one), (mesh, losses)):
+        print(f"llama4 losses {name}: {' '.join(f'{x:.6f}' for x in run)}")  # shown with pytest -s
+    np.testing.assert_allclose(losses, one, rtol=1e-5, err_msg=mesh)
 

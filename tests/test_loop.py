@@ -40,6 +40,7 @@ def tracing() -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fails", ["metrics write", "checkpoint save"])
 def test_an_error_inside_the_loop_puts_back_what_the_run_set_up(fails, tmp_path, monkeypatch):
     """An error raised mid-run, inside the profiled steps, leaves the caller's SIGINT and SIGTERM handlers,

@@ -7,6 +7,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 
 from maxtrain.observe import writers as metric_writers, metrics
 from maxtrain.models.args import ModelArgs
@@ -56,6 +57,7 @@ def test_writer_writes_jsonl_and_tensorboard(tmp_path):
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_tensorboard_writer_does_not_import_torch(tmp_path):
     # tensorboardX tries `import torch` at import time (2 s); the writer hides it, and only then.
     code = ("import sys; from pathlib import Path; from maxtrain.observe import writers as metric_writers; "

@@ -11,7 +11,7 @@ import pytest
 
 from maxtrain.observe import writers as metric_writers
 from conftest import TINY
-from test_faults import main_in_process, one_line
+from helpers import main_in_process, one_line
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -35,6 +35,7 @@ def test_a_missing_wandb_is_one_line_naming_the_extra(capsys, tmp_path, monkeypa
     assert not (tmp_path / "tiny").exists()  # refused before anything was made
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backends, files", [
     ("jsonl", {"metrics.jsonl"}),
     ("tensorboard", {"tensorboard"}),
@@ -77,6 +78,7 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_holds_the_step_metrics(train_tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_DIR", raising=False)
@@ -111,6 +113,7 @@ def test_wandb_writes_from_process_0_only(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_run_closes_its_writers_and_puts_its_signal_handlers_back(tmp_path, monkeypatch, capsys):
     """A run that stops for cause (a non-finite step under nan_policy=stop) ends its W&B run marked failed with
     the steps it logged, and leaves the caller's Ctrl-C and SIGTERM handlers as they were."""

@@ -3,8 +3,6 @@ exact resume, drop and repeat, one eval loss per source, and the config's one-li
 
 import json
 import random
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,7 +12,8 @@ from maxtrain.config.keys import ConfigError
 from maxtrain.data import pipeline as data, prepare as prepare_lib
 from maxtrain.data.mixture import Schedule, counts, proportions
 
-from conftest import SHAKESPEARE, TESTS
+from conftest import SHAKESPEARE, TESTS, TINY
+from helpers import run_cli
 from test_data import assert_same_batches
 
 REPO = TESTS.parent
@@ -86,6 +85,7 @@ def test_ranks_cover_each_source_once_and_drop_reweights():
     assert s.weights(step - 1) == [1.0, 0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_realized_token_shares_follow_the_weights_and_the_stages(tiny_config, three_sources):
     """2,000 batches of 8 rows: each source's share of the tokens (by the letter its rows hold) within 1%
     (absolute) of its weight, before and after the stage at step 1,000; the step's source ids agree."""
@@ -111,6 +111,7 @@ def test_realized_token_shares_follow_the_weights_and_the_stages(tiny_config, th
     np.testing.assert_allclose(shares[1], [0.2, 0.3, 0.5], atol=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["thread", "2 workers", "prepared only"])
 def test_a_mixture_resumes_from_its_state_exactly(tiny_config, three_sources, kind):
     """On a 4-device mesh: batches after a saved position equal an uninterrupted run's, bitwise (worker
@@ -159,11 +160,6 @@ def test_a_mixture_of_one_reads_its_source_and_repeats_it(tiny_config, tmp_path)
     it.close()
 
 
-def run_cli(*args, cwd=REPO, timeout=300):
-    return subprocess.run([sys.executable, "-m", "maxtrain.train", "tests/configs/tiny.yml", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
-
-
 @pytest.mark.parametrize("args, line", [
     ({"web": {"files": "W", "weight": -1}}, "data_sources.web.weight: must be >= 0, got -1"),
     ({"web": {"files": "W", "weight": 0}}, "data_sources: every weight is 0: give at least one source a positive"),
@@ -192,13 +188,13 @@ def test_bad_mixtures_are_refused_in_one_line_naming_the_key(tiny_config, args, 
 @pytest.mark.slow
 def test_a_source_that_matches_nothing_or_drop_on_streamed_files_exit_2_before_any_run(tmp_path, three_sources):
     bad = dict(three_sources, code={"files": f"{tmp_path}/nothing*.txt", "weight": 0.3})
-    proc = run_cli(sources_arg(bad), "vocab_size=384", f"base_output_directory={tmp_path}/out")
-    assert proc.returncode == 2 and proc.stderr.strip() == (
-        f"config error: data_sources.code.files: no file matches '{tmp_path}/nothing*.txt'"), proc.stderr
-    proc = run_cli(sources_arg(three_sources), "vocab_size=384", "data_source_exhausted=drop",
+    proc = run_cli(TINY, sources_arg(bad), "vocab_size=384", f"base_output_directory={tmp_path}/out")
+    assert proc.code == 2 and proc.err.strip() == (
+        f"config error: data_sources.code.files: no file matches '{tmp_path}/nothing*.txt'"), proc.err
+    proc = run_cli(TINY, sources_arg(three_sources), "vocab_size=384", "data_source_exhausted=drop",
                    f"base_output_directory={tmp_path}/out")
-    assert proc.returncode == 2 and proc.stderr.strip().startswith(
-        "config error: data_source_exhausted: drop needs every source prepared"), proc.stderr
+    assert proc.code == 2 and proc.err.strip().startswith(
+        "config error: data_source_exhausted: drop needs every source prepared"), proc.err
     assert not (tmp_path / "out").exists()
 
 

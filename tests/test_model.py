@@ -28,6 +28,7 @@ def logits(model, params, tokens, *args):
     return jax.jit(model.apply)({"params": params}, tokens, *args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [(), ("logits_via_embedding=true",), ("qkv_bias=true",),
                                        ("mtp_num_layers=2",)])
 def test_param_count_matches_config(tiny_config, overrides):
@@ -57,6 +58,7 @@ def test_logits_shape_and_dtype(tiny_config):
     assert jax.tree.leaves(params)[0].dtype == jnp.float32  # weight_dtype stays float32
 
 
+@pytest.mark.slow
 def test_scan_equals_unrolled_and_layouts_round_trip(tiny_config):
     c = tiny_config()
     scanned, params, tokens = build(c)
@@ -71,6 +73,7 @@ def test_scan_equals_unrolled_and_layouts_round_trip(tiny_config):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), params, restacked))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "full"])
 def test_an_unrolled_scan_gives_the_looped_scans_loss_and_gradients(tiny_config, policy):
     c = tiny_config(f"remat_policy={policy}", "scan_unroll=1", "base_num_decoder_layers=4")
@@ -85,6 +88,7 @@ def test_an_unrolled_scan_gives_the_looped_scans_loss_and_gradients(tiny_config,
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5, err_msg=f"unroll {unroll}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False])
 def test_every_remat_policy_gives_the_same_gradients(tiny_config, scan):
     c = tiny_config(f"scan_layers={str(scan).lower()}")
@@ -102,6 +106,7 @@ def test_every_remat_policy_gives_the_same_gradients(tiny_config, scan):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5, err_msg=policy)
 
 
+@pytest.mark.slow
 def test_remat_policies_differ_in_what_they_save(tiny_config):
     """The policies are real: full remat keeps fewer residuals than none."""
     c = tiny_config()
@@ -126,6 +131,7 @@ def test_causal(tiny_config):
     assert not np.allclose(a[:, t:], b[:, t:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["dot_product", "blockwise", "jax_nn"])
 def test_packed_documents_equal_documents_alone(tiny_config, attention, monkeypatch):
     """With segment ids and restarting positions, a packed row equals each document run alone."""
@@ -149,6 +155,7 @@ def test_jax_nn_attention_matches_dot_product(tiny_config):
     np.testing.assert_allclose(logits(model, params, tokens), logits(other, params, tokens), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_blockwise_attention_matches_dot_product(monkeypatch):
     """Blocks of 8 over 36 positions (the last block short), GQA 4:2, two packed documents: the same
     outputs and gradients as all positions at once."""
@@ -172,6 +179,7 @@ def test_tied_embeddings_have_no_output_matrix(tiny_config):
     assert "output" not in params and "embedding" in params
 
 
+@pytest.mark.slow
 def test_splash_attention_matches_dot_product(tiny_config):
     """Pallas splash kernel (interpret mode on CPU) with packed documents and GQA."""
     c = tiny_config("max_target_length=128", "attention=dot_product")

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +34,7 @@ def compiled_step_hlo(tmp_path, *args) -> str:
     return dumps[0].read_text()
 
 
+@pytest.mark.slow
 def test_the_down_bias_gathers_no_batch(tmp_path):
     """gpt-oss's MoE under experts 4 x fsdp 2: no collective result spans the whole batch's rows (a
     dimension of the global batch, 16, beside one of the sequence length, 48; sizes unlike the model's
@@ -45,6 +48,7 @@ def test_the_down_bias_gathers_no_batch(tmp_path):
     assert [s for s in shapes if 16 in s and 48 in s] == []
 
 
+@pytest.mark.slow
 def test_the_tokamax_grouped_matmul_compiles_for_tpu(tmp_path):
     """moe_grouped_matmul=tokamax in a TPU compile from this CPU process: Tokamax's Pallas grouped matmul
     (forward and gradients) where the widths are TPU-sized (128), XLA's ragged_dot where its kernel

@@ -13,16 +13,12 @@ MODEL = ("base_num_query_heads=8", "base_num_kv_heads=8", "head_dim=8")
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def single_device_losses(tmp_path_factory):
-    from maxtrain import train
-    devices = jax.devices()[:1]
-    out = tmp_path_factory.mktemp("single")
-    c = train.load_config([str(__import__("conftest").TINY), *MODEL, "per_device_batch_size=8",
-                           f"base_output_directory={out}"], devices)
-    return train.train(c, devices)["losses"]
+@pytest.fixture
+def single_device_losses(reference_losses):
+    return reference_losses(*MODEL, "per_device_batch_size=8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [
     ("ici_data_parallelism=8", "ici_fsdp_parallelism=1"),
     ("ici_fsdp_parallelism=8",),
@@ -64,6 +60,7 @@ def test_tensor_parallel_shards_heads_and_mlp(tiny_config):
     assert wo.sharding.shard_shape(wo.shape) == (2, 16, 64)     # mlp 128 -> 16 per device
 
 
+@pytest.mark.slow
 def test_blockwise_attention_trains_like_dot_product(train_tiny):
     """Blocks of 256 queries over 300 positions (the last block short) on fsdp x tensor: same losses."""
     mesh = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "max_target_length=300", "steps=3")

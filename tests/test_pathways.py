@@ -48,6 +48,7 @@ def test_pathwaysutils_starts_exactly_under_the_proxy_backend(recorded, monkeypa
     assert distributed.wanted(c) == (expected == ["jax.distributed"])  # no supervising parent under Pathways
 
 
+@pytest.mark.slow
 def test_the_real_initialize_applies_pathways_settings():
     """pathwaysutils' own initialize, run by maxtrain's start-up with JAX_PLATFORMS=proxy, applies its changes
     (it turns JAX's compilation cache off: Pathways keeps its own); without it, nothing changes."""
@@ -63,6 +64,7 @@ def test_the_real_initialize_applies_pathways_settings():
     assert out == {"proxy": ["True", "False"], "cpu": ["False", "True"]}
 
 
+@pytest.mark.slow
 def test_checkpoints_under_pathways_skip_ocdbt_and_resume_exactly(train_tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(pathways, "used", lambda: True)
     monkeypatch.setattr(pathways, "initialize", lambda: True)
@@ -95,6 +97,7 @@ def test_proxy_without_pathwaysutils_is_one_line(tmp_path):
         'input error: JAX_PLATFORMS=proxy (Pathways) needs pathwaysutils: pip install -e ".[pathways]"']
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target,code,line", [
     (None, 2, "input error: JAX_PLATFORMS=proxy (Pathways) needs the proxy server's address: "
               "JAX_BACKEND_TARGET=grpc://HOST:PORT"),

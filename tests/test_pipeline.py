@@ -114,6 +114,7 @@ def test_stacks_are_sharded_over_stage_and_the_rest_is_not(tiny_config):
                                 "batch split over all devices")
 
 
+@pytest.mark.slow
 def test_the_first_line_and_dry_run_state_the_schedule(tmp_path):
     import subprocess, sys
     proc = subprocess.run([sys.executable, "-m", "maxtrain.train", TINY, *MODEL, "ici_pipeline_parallelism=2",
@@ -131,13 +132,9 @@ def test_the_first_line_and_dry_run_state_the_schedule(tmp_path):
 # ---- training on stage meshes equals one device
 
 
-@pytest.fixture(scope="module")
-def single_device(tmp_path_factory):
-    from maxtrain import train
-    devices = jax.devices()[:1]
-    out = tmp_path_factory.mktemp("single")
-    c = train.load_config([TINY, *MODEL, "per_device_batch_size=16", f"base_output_directory={out}"], devices)
-    return train.train(c, devices)["losses"]
+@pytest.fixture
+def single_device(reference_losses):
+    return reference_losses(*MODEL, "per_device_batch_size=16")
 
 
 @pytest.mark.slow
@@ -174,6 +171,7 @@ def one_step_gradients(c, devices):
         return jax.device_get(trainer.to_saved(grads))  # the model's layer order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [(), ("num_pipeline_repeats=2",)], ids=["gpipe", "circular"])
 def test_one_step_gradients_equal_single_device(tiny_config, mesh):
     one = tiny_config(*MODEL, "per_device_batch_size=16", devices=jax.devices()[:1])
@@ -263,6 +261,7 @@ def test_pipelined_layers_run_their_matmuls_quantized(tiny_config):
     assert any((2, d, f) in s for s in eight_bit), eight_bit
 
 
+@pytest.mark.slow
 def test_generate_runs_a_pipelined_run_layers_in_order(tiny_config):
     """A pipelined run's parameters in the model's order (as its checkpoints hold them): maxtrain.generate
     under the run's config, stage axis and all, gives one device's greedy tokens."""
@@ -295,6 +294,7 @@ def test_a_rollback_under_the_circular_schedule_equals_skipping_the_batches(trai
     np.testing.assert_allclose(rolled["losses"], reference["losses"], rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_expert_load_is_reported_by_layer_under_the_circular_schedule(tiny_config):
     """The MoE layers' records come in the circular schedule's order; the metrics name them by layer."""
     def step_metrics(devices, *mesh):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import pytest
 
 from maxtrain.parallel import remat
 from maxtrain.parallel import pipeline
@@ -44,6 +45,7 @@ def residual_shapes(policy_name):
     return schedule, [tuple(r.shape) for r in jax.tree.leaves(backward)]  # the residuals it closes over
 
 
+@pytest.mark.slow
 def test_full_remat_keeps_layer_inputs_not_the_layers_named_intermediates():
     schedule, shapes = residual_shapes("full")
     per_chunk, b = LAYERS // (schedule.stages * schedule.repeats), B // schedule.microbatches
@@ -55,6 +57,7 @@ def test_full_remat_keeps_layer_inputs_not_the_layers_named_intermediates():
     assert not [s for s in shapes if s and s[0] == schedule.iterations and s[-2:] in ((D, WIDE), (WIDE, D))]
 
 
+@pytest.mark.slow
 def test_a_policy_that_saves_a_name_keeps_it_in_the_pipeline_too():
     for policy in ("save_out_proj", "none"):  # the tag by name; everything without remat
         schedule, shapes = residual_shapes(policy)

@@ -17,7 +17,8 @@ from maxtrain.observe import metrics, progress, run_record
 from maxtrain.runtime import wording
 from maxtrain.training import step as step_lib, evaluation
 from conftest import TINY
-from test_faults import CKPT, run_cli
+from helpers import run_cli
+from test_faults import CKPT
 from test_faults_runtime import read_events
 
 
@@ -111,6 +112,7 @@ def test_an_eval_has_its_heartbeat_and_step_n_of_m(train_tiny, tmp_path, monkeyp
                         r" \| ETA 0s", line), line
 
 
+@pytest.mark.slow
 def test_the_start_is_recorded_and_a_resume_appends_its_own_record(train_tiny, tmp_path, capsys):
     train_tiny(*CKPT, "steps=2", "run_name=rec", "metrics_backends=jsonl,tensorboard", n_devices=1)
     run = tmp_path / "rec"

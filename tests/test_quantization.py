@@ -68,6 +68,7 @@ def test_quantized_matmuls_are_where_the_rules_say(tiny_config, mode, targets, s
             assert not quantized, (name, types)
 
 
+@pytest.mark.slow
 def test_an_moe_model_quantizes_its_attention_not_its_experts(tiny_config):
     c = tiny_config("num_experts=4", "num_experts_per_tok=2", "quantization=int8", "dtype=bfloat16",
                     "ici_expert_parallelism=4", "ici_fsdp_parallelism=2")
@@ -93,6 +94,7 @@ def test_the_float_step_has_no_8_bit_matmul(tiny_config):
     assert dots and not any(set(types) & EIGHT_BIT for types, _ in dots)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, tolerance", [("int8", 0.04), ("fp8", 0.12)])
 def test_a_quantized_layer_stays_close_to_the_float_one(tiny_config, mode, tolerance):
     """One layer's logits in float32, RMS error over the logits' RMS: int8 (per-channel scales) within 4%,
@@ -109,6 +111,7 @@ def test_a_quantized_layer_stays_close_to_the_float_one(tiny_config, mode, toler
     assert 0 < error < tolerance, error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ("quantization=int8",), ("quantization=fp8_full", "remat_policy=minimal", "gradient_accumulation_steps=2")])
 def test_quantized_training_follows_the_float_run_on_fsdp_x_tensor(train_tiny, overrides):
@@ -119,6 +122,7 @@ def test_quantized_training_follows_the_float_run_on_fsdp_x_tensor(train_tiny, o
     np.testing.assert_allclose(quantized, plain, rtol=0.03)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_trained_quantized_resumes_unquantized(train_tiny):
     common = ("ici_fsdp_parallelism=8", "enable_checkpointing=true", "checkpoint_period=3", "run_name=q")
     first = train_tiny(*common, "quantization=int8", "steps=3")

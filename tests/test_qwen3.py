@@ -15,7 +15,7 @@ from maxtrain.runtime.errors import ConvertError
 from maxtrain.models import hf, registry
 
 from conftest import TESTS
-from test_convert import hf_logits, load_maxtrain, maxtrain_logits
+from helpers import hf_logits, load_maxtrain, maxtrain_logits, random_hf
 from test_registry import built_count, transformers_count
 
 # Heads wider than hidden_size / heads (32 against 16), as Qwen3's 128.
@@ -28,12 +28,7 @@ PUBLISHED = {"qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360}  # model card
 
 
 def random_qwen3(**overrides):
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**{**SMALL, **overrides})).eval()
-    with torch.no_grad():  # HF starts norms at 1, which would hide a mapping mistake (q/k norms included)
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    return model
+    return random_hf(Qwen3ForCausalLM, Qwen3Config(**{**SMALL, **overrides}))  # q/k norms about 1 too
 
 
 @pytest.mark.parametrize("tied,scan", [(False, True), (True, False)])
@@ -65,6 +60,7 @@ def test_export_reloads_in_transformers_with_identical_weights(tmp_path):
     np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(model, TOKENS))
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_exports_as_qwen3_with_the_same_logits(tmp_path, train_tiny):
     result = train_tiny("enable_checkpointing=true", "steps=3", "use_qk_norm=true")
     convert.maxtrain_to_hf(str(tmp_path / "tiny" / "checkpoints" / "3"), str(tmp_path / "hf"))

@@ -2,6 +2,7 @@
 README shows (scripts/check_readme.py); and that script reads a README as a newcomer would."""
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -94,10 +95,43 @@ def test_a_command_that_finds_its_run_finished_collided_with_an_earlier_one(tmp_
     assert lines[2] == "      it found its run finished: an earlier command trained under the same run name"
 
 
+PAGES = check_readme.groups(check_readme.reading_order(TESTS.parent / "README.md"))
+
+
 @pytest.mark.slow
-def test_the_readmes_commands_give_what_it_shows():
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=3600)
+@pytest.mark.parametrize("pages", PAGES, ids=[" ".join(p.name for p in group) for group in PAGES])
+def test_each_pages_commands_give_what_it_shows(pages):
+    """A page's commands as written, one after another, in a fresh checkout (a page that uses another's outputs
+    after it: check_readme.NEEDS); the pages side by side, sharing this session's compilation cache (its HOME)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), *map(str, pages), "--home", os.environ["HOME"]],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_the_pages_run_apart_only_where_no_page_uses_anothers_outputs():
+    names = [[check_readme.page_name(p) for p in group] for group in PAGES]
+    assert names[0] == ["README.md"] and ["docs/hf.md", "docs/generation.md"] in names
+    assert sorted(n for group in names for n in group) == sorted(set(n for group in names for n in group))
+    pages_with_commands = [p for p in check_readme.reading_order(TESTS.parent / "README.md") if "```" in p.read_text()]
+    assert len(pages_with_commands) == sum(map(len, names))  # every page that shows a command runs
+
+
+def test_no_two_pages_train_one_run(tmp_path):
+    """Each group of pages runs in its own checkout, so a page that trains a run an earlier page trained (and
+    would resume it, or find it finished, in a newcomer's one folder) is found from the run names themselves."""
+    assert check_readme.collisions(PAGES) == []
+    readme = TESTS.parent / "README.md"
+    again = tmp_path / "again.md"  # README's first run under another device count is another run; this one is not
+    again.write_text("```bash\nXLA_FLAGS=--xla_force_host_platform_device_count=2 python -m maxtrain.train "
+                     "configs/base.yml per_device_batch_size=4 steps=5\n"
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m maxtrain.train configs/base.yml "
+                     "per_device_batch_size=2 steps=30\n```\n")
+    first = check_readme.parse(readme.read_text())[0]
+    assert check_readme.collisions([[readme], [again]]) == [
+        f"{again}:3 trains run {check_readme.run_names([first])[0]}, as README.md:{first.line} does (another "
+        "page's checkout)"]  # the same global batch of 4: the same run
+    launched = check_readme.trained_run("scripts/launch_local.sh 2 configs/base.yml run_name=two steps=2")
+    assert launched == (["configs/base.yml", "run_name=two", "steps=2"], 8, 2)
 
 
 def test_the_readme_is_short_and_links_every_page_of_the_reference():

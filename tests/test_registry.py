@@ -118,6 +118,7 @@ def test_masks_exempt_norms_and_biases_from_decay_and_the_balancing_bias_from_tr
     assert [jax.tree_util.keystr(p) for p, t in trained if not t] == ["['moe_layers']['mlp']['router_bias']"]
 
 
+@pytest.mark.slow
 def test_weight_decay_leaves_the_balancing_bias_to_its_own_rule(tiny_config):
     """AdamW with weight decay once moved DeepSeek's router_bias too (-lr x decay x bias a step). Now each
     step moves it by exactly what moe.update_router_bias gives for that step's recorded expert loads."""

@@ -27,6 +27,7 @@ def one_step(c, devices):
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_large_batch(tiny_config):
     devices = jax.devices()
     # Adam's first step is ~lr*sign(g), which turns rounding noise on near-zero gradients into
@@ -41,6 +42,7 @@ def test_gradient_accumulation_equals_large_batch(tiny_config):
         np.testing.assert_allclose(a, b, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_single_device(tiny_config):
     devices = jax.devices()[:1]
     ref_params, _ = one_step(tiny_config("per_device_batch_size=8", "adam_eps=1.0", devices=devices), devices)
@@ -50,6 +52,7 @@ def test_gradient_accumulation_single_device(tiny_config):
         np.testing.assert_allclose(a, b, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_bfloat16_weights_with_gradient_accumulation(tiny_config):
     # The output matrix's gradient must come back in its own dtype, or the accumulator's type changes.
     devices = jax.devices()[:1]
@@ -60,6 +63,7 @@ def test_bfloat16_weights_with_gradient_accumulation(tiny_config):
     assert np.isfinite(metrics["loss"]) and metrics["tokens"] == 4 * 32
 
 
+@pytest.mark.slow
 def test_the_step_donates_the_state(tiny_config):
     # The new state reuses the old state's buffers: a step holds one copy of params and moments, not two.
     devices = jax.devices()[:2]
@@ -86,6 +90,7 @@ def one_device_setup(tiny_config, masked_from: int, overrides=()):
     return trainer, params, batch
 
 
+@pytest.mark.slow
 def test_masked_targets_do_not_count(tiny_config):
     trainer, params, batch = one_device_setup(tiny_config, masked_from=16)
     scrambled = dict(batch, targets=jnp.asarray(batch["targets"]).at[:, 16:].set(7))
@@ -129,6 +134,7 @@ def test_clipping_is_in_the_chain(tiny_config):
     assert optax.tree.norm(updates) < 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", ["false", "true"])
 def test_cross_entropy_backward_equals_autodiff(tiny_config, tied):
     """The hand-written backward, all positions at once and 8 at a time, against autodiff through the
@@ -165,6 +171,7 @@ def grads_on(tiny_config, devices, *overrides, dtype="float32"):
     return float(loss), jax.device_get(grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "minimal", "none"])
 def test_memory_levers_give_the_same_loss_and_gradients(tiny_config, policy):
     """loss_chunk_size (hand-written backward, output gradient reduce-scattered chunk by chunk) and
@@ -178,6 +185,7 @@ def test_memory_levers_give_the_same_loss_and_gradients(tiny_config, policy):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(a).max()))
 
 
+@pytest.mark.slow
 def test_memory_levers_in_bfloat16(tiny_config):
     """The same in bfloat16 compute: float32 gradients of float32 weights, equal to bf16 rounding."""
     devices = jax.devices()[:1]
@@ -197,6 +205,7 @@ def test_loss_chunk_size_must_divide_length(tiny_config):
     assert e.value.key == "loss_chunk_size"
 
 
+@pytest.mark.slow
 def test_logits_in_compute_dtype_gives_the_same_loss(tiny_config):
     """logits_dot_in_fp32=false rounds bf16 logits once before the float32 loss: the same loss to bf16
     precision, full and chunked; with float32 compute nothing changes at all."""
@@ -219,6 +228,7 @@ def test_logits_in_compute_dtype_gives_the_same_loss(tiny_config):
         assert f32[0] == f32[1]
 
 
+@pytest.mark.slow
 def test_cheap_compiles_give_the_same_results(tiny_config):
     """On CPU init and the step compile at XLA's level 1, for startup time. Init must give the same bits as XLA's defaults; the step may differ in the last
     float32 bits (LLVM orders some sums differently), no more."""
@@ -257,6 +267,7 @@ def test_wsd_holds_the_peak_then_decays_the_last_fraction(tiny_config):
     assert float(learning_rate_schedule(c.replace(learning_rate_schedule_steps=200))(5)) == pytest.approx(0.25)
 
 
+@pytest.mark.slow
 def test_a_wsd_run_extended_in_its_stable_phase_goes_on_at_the_same_rate(train_tiny, tmp_path, capsys):
     """Stopped at step 60 of a 100-step schedule, resumed with a 200-step one: the same learning rate at steps
     60 and 61; under cosine the same extension is said to re-stretch the curve, with the jump."""
@@ -280,6 +291,7 @@ def test_a_wsd_run_extended_in_its_stable_phase_goes_on_at_the_same_rate(train_t
                              r"\(lr_schedule_type=wsd extends", out), out
 
 
+@pytest.mark.slow
 def test_a_wsd_run_extended_after_its_decay_goes_back_to_its_last_stable_step(train_tiny, tmp_path, capsys):
     """The steps after the peak decayed toward the old end: an extension resumes from the checkpoint saved at
     the old schedule's last stable step (always saved), the decayed ones kept aside, and trains on at the peak."""

@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import SHAKESPEARE, TESTS, TINY
+from conftest import SHAKESPEARE, TESTS, TINY, xla_flags
 from test_checkpoint import cli, finish, params_equal_bitwise, saved_params, wait_for_line
-from test_faults import main_in_process, one_line
+from helpers import main_in_process, one_line
 
 from maxtrain import convert
 from maxtrain.runtime import storage
@@ -203,6 +203,7 @@ def test_data_from_gcs_and_export_to_gcs(gcs, tmp_path, capsys):
     assert one_line(capsys.readouterr().err) == f"convert error: --out: {gcs}/hf already exists and is not empty"
 
 
+@pytest.mark.slow
 def test_generate_reads_a_checkpoint_on_gcs(gcs, tmp_path):
     """A run on gs:// (its profile trace uploaded there too), then generate from its checkpoint there."""
     code, _, err = finish(cli("steps=2", "checkpoint_period=2", "profiler=xplane", "profiler_start_step=1",
@@ -212,12 +213,13 @@ def test_generate_reads_a_checkpoint_on_gcs(gcs, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "maxtrain.generate", TINY,
                            f"load_parameters_path={gcs}/gen/tiny/checkpoints/2", "prompt_ids=1,2,3",
                            "max_new_tokens=4"], capture_output=True, text=True, timeout=300, cwd=TESTS.parent,
-                          env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+                          env=dict(os.environ, XLA_FLAGS=xla_flags(8)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     generated = [x for x in proc.stdout.splitlines() if x.startswith("generated ids: ")]
     assert len(generated) == 1 and len(json.loads(generated[0].removeprefix("generated ids: "))) == 4
 
 
+@pytest.mark.slow
 def test_every_format_and_prepared_shards_from_gcs(gcs, tiny_config, tmp_path):
     """Files on the bucket read as the same documents as local ones (text pieces by ranged reads); a corpus
     prepared onto the bucket holds the same shards, and reads the same rows, as one prepared locally."""
@@ -246,7 +248,8 @@ def test_hf_import_from_gcs_equals_a_local_import(gcs, tmp_path):
     """--hf_dir on the bucket: the same parameters, bit for bit, as importing the same files from disk; the
     written config names the URL it came from."""
     import jax
-    from test_convert import load_maxtrain, random_hf_model
+    from helpers import load_maxtrain
+    from test_convert import random_hf_model
     random_hf_model("llama-gqa").save_pretrained(tmp_path / "hf")
     storage.upload_tree(tmp_path / "hf", storage.path(f"{gcs}/hf_in"))
     remote = convert.hf_to_maxtrain(f"{gcs}/hf_in", str(tmp_path / "from_gcs"))

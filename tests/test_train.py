@@ -12,16 +12,11 @@ import pytest
 from maxtrain.config import load as config
 
 from conftest import TINY, TESTS
+from helpers import run_cli
 
 REPO = TESTS.parent
 # Same machine type in CI: the curve reproduces to ~1e-6; 2e-3 absolute allows other CPU kernels.
 GOLDEN_ATOL = 2e-3
-
-
-def run_cli(*args, devices=8, timeout=600):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.run([sys.executable, "-m", "maxtrain.train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
 
 
 def test_golden_loss_curve():
@@ -37,8 +32,8 @@ def test_golden_loss_curve():
 def test_cli_trains_and_writes_metrics(tmp_path):
     proc = run_cli(TINY, "run_name=cli", f"base_output_directory={tmp_path}", "steps=12", "log_period=4",
                    "metrics_backends=jsonl,tensorboard", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "MFU" in proc.stdout and "done: 12 steps" in proc.stdout
+    assert proc.code == 0, proc.err[-2000:]
+    assert "MFU" in proc.out and "done: 12 steps" in proc.out
     run = tmp_path / "cli"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["start"]["config"]["steps"] == 12  # the start's record, then the steps
@@ -53,6 +48,7 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     assert (again.ici_fsdp_parallelism, again.steps, again.base_emb_dim) == (4, 12, 64)
 
 
+@pytest.mark.slow
 def test_the_loop_reads_each_step_metrics_after_queueing_the_next(train_tiny, monkeypatch):
     # No host sync in the loop: step N's metrics are fetched only once step N+1 is queued, so the
     # device never waits on the host (nanodo's loop). Logged: D<n> = step n dispatched, R<n> = read.
@@ -104,6 +100,7 @@ def test_the_cpu_peak_probe_runs_after_the_compile(train_tiny, monkeypatch):
     assert probe_saw_compiled == [True]
 
 
+@pytest.mark.slow
 def test_the_step_is_traced_on_the_main_thread_and_compiled_beside_the_init(train_tiny, monkeypatch):
     # Flax builds its lifted classes (nn.scan, nn.remat) while tracing; the init traced on the main
     # thread beside a step traced on the compile thread raced on them (KeyError: 'name', seen in CI).
@@ -129,9 +126,9 @@ def test_the_step_is_traced_on_the_main_thread_and_compiled_beside_the_init(trai
 @pytest.mark.slow
 def test_dry_run_prints_parameter_table_and_memory(tmp_path):
     proc = run_cli(TINY, f"base_output_directory={tmp_path}", "dry_run=true", "ici_tensor_parallelism=2")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "layers/mlp/wi_gate" in proc.stdout and "('layers', 'embed', 'mlp')" in proc.stdout
-    assert "total parameters:" in proc.stdout and "temporaries" in proc.stdout
+    assert proc.code == 0, proc.err[-2000:]
+    assert "layers/mlp/wi_gate" in proc.out and "('layers', 'embed', 'mlp')" in proc.out
+    assert "total parameters:" in proc.out and "temporaries" in proc.out
     assert not (tmp_path / "tiny").exists()  # a dry run trains nothing and writes nothing
 
 
@@ -140,7 +137,7 @@ def test_readme_quickstart_commands(tmp_path):
     """The README's first training command on the embedded default config, shortened to 20 steps."""
     proc = run_cli("configs/base.yml", "run_name=demo", "steps=20", f"base_output_directory={tmp_path}",
                    devices=1)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.code == 0, proc.err[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train/loss"] for r in rows if "start" not in r]
     assert losses[-1] < losses[0]
@@ -152,8 +149,8 @@ def test_compilation_cache_is_filled_and_gives_the_same_losses(tmp_path):
 
     def losses(run, *extra):
         proc = run_cli(TINY, f"run_name={run}", f"base_output_directory={tmp_path}", "steps=3", *extra, devices=2)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return [line.split("| loss ")[1].split()[0] for line in proc.stdout.splitlines() if "| loss " in line]
+        assert proc.code == 0, proc.err[-2000:]
+        return [line.split("| loss ")[1].split()[0] for line in proc.out.splitlines() if "| loss " in line]
 
     cold = losses("cold", f"compilation_cache_dir={cache}")
     entries = sorted(p.name for p in cache.iterdir())
