@@ -7,8 +7,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -150,3 +153,52 @@ def once(name: str, compute: Callable[[], Any]) -> Any:
         if not path.exists():
             path.write_text(json.dumps(compute()))
         return json.loads(path.read_text())
+
+
+class Output:
+    """A process's stdout and stderr, each read as it comes by a thread of its own (neither pipe fills while
+    the test waits on the other), waited on for a stdout line; nothing here waits without a timeout."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines, self.err, self.seen = proc, [], [], threading.Condition()
+        self.readers = [threading.Thread(target=self._read, args=(pipe, into), daemon=True)
+                        for pipe, into in ((proc.stdout, self.lines), (proc.stderr, self.err)) if pipe is not None]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, pipe, into: list[str]) -> None:
+        for line in pipe:
+            with self.seen:
+                into.append(line.rstrip("\n") if into is self.lines else line)
+                self.seen.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> None:
+        with self.seen:
+            if not self.seen.wait_for(lambda: any(re.search(pattern, x) for x in self.lines), timeout):
+                raise AssertionError(f"{pattern!r} not seen in {self.lines[-30:]}; stderr: {''.join(self.err)[-2000:]}")
+
+    def finish(self, timeout: float = 300) -> tuple[int, list[str], str]:
+        """(exit code, stdout lines, stderr) once the process ends; killed, and an AssertionError, if it has
+        not ended within `timeout` seconds."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"still running after {timeout} s; stdout: {self.lines[-20:]}") from None
+        for reader in self.readers:  # a child the process started may hold its pipes: not for ever
+            reader.join(timeout=10)
+        with self.seen:
+            return self.proc.returncode, list(self.lines), "".join(self.err)
+
+
+def popen_as_from_a_terminal(args: list[str], **kwargs) -> subprocess.Popen:
+    """Popen with SIGINT at its default in the child, as a terminal's foreground command has it (a test run
+    started in the background inherits SIGINT ignored, which Python keeps). The parent's disposition is
+    switched around the spawn, not reset in the child: a preexec_fn would fork this multithreaded process
+    (JAX's threads) and run Python in the child before exec, which can deadlock there."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        return subprocess.Popen(args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from maxtrain.config import help as cli_help, load as config, run_name
 from maxtrain import compile as compile_lib, convert, generate, prepare, train
 from conftest import TESTS, TINY, xla_flags
-from helpers import one_line
+from helpers import Output, one_line, popen_as_from_a_terminal
 
 BASE = TESTS.parent / "maxtrain" / "configs" / "base.yml"
 
@@ -192,31 +191,6 @@ def cli(*args, out, env=None):
                             text=True, env=env, cwd=TESTS.parent)
 
 
-class Output:
-    """A process's stdout, read as it comes (the pipe never fills), and waited on for a line."""
-
-    def __init__(self, proc):
-        self.proc, self.lines, self.seen = proc, [], threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            with self.seen:
-                self.lines.append(line.rstrip("\n"))
-                self.seen.notify_all()
-
-    def wait_for(self, pattern, timeout=180):
-        with self.seen:
-            if not self.seen.wait_for(lambda: any(re.search(pattern, x) for x in self.lines), timeout):
-                raise AssertionError(f"{pattern!r} not seen in {self.lines}")
-
-    def finish(self, timeout=300):
-        err = self.proc.stderr.read()
-        self.proc.wait(timeout)
-        time.sleep(0.1)
-        return self.proc.returncode, list(self.lines), err
-
-
 def saved_steps(directory):
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
@@ -330,10 +304,9 @@ def test_ctrl_c_in_the_other_entry_points_is_one_line(tmp_path):
     """compile (and generate, convert) end on Ctrl-C with one line and exit 130, not a KeyboardInterrupt trace."""
     # Ctrl-C as from a terminal: a test run started in the background inherits SIGINT ignored, which
     # Python keeps (and so would a user's `nohup ... &`)
-    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.compile", str(BASE), "model_name=llama3-8b",
-                             "compile_topology=v5p-128", "per_device_batch_size=4", "max_target_length=8192"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = popen_as_from_a_terminal([sys.executable, "-m", "maxtrain.compile", str(BASE), "model_name=llama3-8b",
+                                     "compile_topology=v5p-128", "per_device_batch_size=4", "max_target_length=8192"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     output = Output(proc)
     output.wait_for(r"^lowering the train step", timeout=240)  # tracing: Python runs, so Ctrl-C lands at once
     proc.send_signal(signal.SIGINT)

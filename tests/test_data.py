@@ -21,7 +21,7 @@ from maxtrain.config.keys import ConfigError
 from maxtrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, make_tokenizer
 
 from conftest import SHAKESPEARE, TESTS, xla_flags
-from helpers import Run, one_line, run_cli
+from helpers import Output, Run, one_line, run_cli
 
 REPO = TESTS.parent
 
@@ -543,16 +543,13 @@ def test_a_file_found_bad_mid_run_stops_it_and_keeps_the_checkpoints(tmp_path, t
         running = subprocess.Popen([sys.executable, "-m", "maxtrain.train", str(TESTS / "configs" / "tiny.yml"),
                                     *TEXT, f"base_output_directory={tmp_path / 'out'}", *run],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-        lines = []
-        for line in running.stdout:
-            lines.append(line)
-            if line.startswith("saved checkpoint "):
-                with open(bad, "r+b") as f:  # in place, its size kept: ids past the vocabulary in its second half
-                    f.seek(len(good) // 2)
-                    f.write(b"\xff" * (len(good) - len(good) // 2))
-                break
-        out_rest, err = running.communicate(timeout=300)
-        proc = Run(running.returncode, "".join(lines) + out_rest, err, 0.0)
+        output = Output(running)
+        output.wait_for(r"^saved checkpoint ", timeout=300)
+        with open(bad, "r+b") as f:  # in place, its size kept: ids past the vocabulary in its second half
+            f.seek(len(good) // 2)
+            f.write(b"\xff" * (len(good) - len(good) // 2))
+        code, lines, err = output.finish(timeout=300)
+        proc = Run(code, "".join(x + "\n" for x in lines), err, 0.0)
     refused(proc, 1, expected)
     saved = sorted(int(p.name) for p in (tmp_path / "out" / "r" / "checkpoints").iterdir() if p.name.isdigit())
     assert saved and f"saved checkpoint {saved[-1]} " in proc.out

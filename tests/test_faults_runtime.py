@@ -18,7 +18,7 @@ from maxtrain.parallel import mesh as mesh_lib
 from maxtrain import train
 from maxtrain.config.resolve import resolve
 from conftest import TESTS, TINY, xla_flags
-from helpers import one_line, run_cli
+from helpers import Output, one_line, run_cli
 from test_faults import CKPT, small_disk  # noqa: F401 (a fixture)
 
 REPO = TESTS.parent
@@ -183,10 +183,9 @@ def start_job(out: Path, *args) -> list[subprocess.Popen]:
 def test_a_lost_peer_is_one_line_naming_it_and_the_last_checkpoint(tmp_path, victim, sig, went_away):
     procs = start_job(tmp_path, *FSDP8_2P, *CKPT, "checkpoint_period=2", "steps=100000",
                       f"distributed_heartbeat_timeout_seconds={HEARTBEAT}")
+    outputs = [Output(p) for p in procs]  # both processes' pipes drained: neither blocks on a full one
     try:
-        for line in procs[0].stdout:
-            if "step      5/100000 |" in line:
-                break
+        outputs[0].wait_for(re.escape("step      5/100000 |"), timeout=300)
         ckpts = tmp_path / "tiny" / "checkpoints"
         deadline = time.time() + 60
         while not any(p.name.isdigit() for p in ckpts.iterdir()) and time.time() < deadline:
@@ -195,8 +194,7 @@ def test_a_lost_peer_is_one_line_naming_it_and_the_last_checkpoint(tmp_path, vic
         trainer = subprocess.run(["pgrep", "-P", str(procs[victim].pid)], capture_output=True, text=True).stdout
         os.kill(int(trainer.split()[0]), sig)
         t0 = time.time()
-        survivor = procs[1 - victim]
-        _, err = survivor.communicate(timeout=HEARTBEAT + 60)
+        code, _, err = outputs[1 - victim].finish(timeout=HEARTBEAT + 60)
         seconds = time.time() - t0
     finally:
         for p in procs:
@@ -213,7 +211,7 @@ def test_a_lost_peer_is_one_line_naming_it_and_the_last_checkpoint(tmp_path, vic
     # "op.preamble.length <= op.nbytes. 4096 vs 4"); the line still names the last trusted checkpoint
     garbled = re.fullmatch(r"a collective failed \(gloo: [^)]*\)", line.split(": this process")[0].removeprefix(
         "run error: ")) if sig == signal.SIGKILL else None
-    assert survivor.returncode == 1 and line in (
+    assert code == 1 and line in (
         f"run error: {reason}: this process stopped too; last trusted checkpoint: step {trusted} in {ckpts}"
         for reason in (went_away, closed, garbled and garbled.group(0)) if reason), err[-3000:]
     assert seconds < HEARTBEAT + 30, seconds

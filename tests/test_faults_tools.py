@@ -17,7 +17,7 @@ from maxtrain.checkpoint import manager as ckpt_lib
 from maxtrain import compile as compile_lib, convert, generate, train
 from maxtrain.observe import fit
 from conftest import TESTS, TINY, tmpfs, xla_flags
-from helpers import main_in_process, one_line
+from helpers import Output, main_in_process, one_line, popen_as_from_a_terminal
 
 ENV = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
 
@@ -267,14 +267,13 @@ def test_an_unknown_special_token_is_one_line(key, hf_tokenizer_json, step_dir, 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_the_aot_compile_is_one_line_not_libtpus_stack_dump(signum):
     """libtpu installs its own SIGTERM handler when it loads (a stack dump, then the signal again)."""
-    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.compile", "configs/base.yml", "compile_topology=v5p-8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=TESTS.parent,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for line in proc.stdout:
-        if line.startswith("compiling the train step for v5p-8"):  # libtpu is loaded: its handler is in place
-            break
+    proc = popen_as_from_a_terminal([sys.executable, "-m", "maxtrain.compile", "configs/base.yml",
+                                     "compile_topology=v5p-8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, cwd=TESTS.parent)
+    output = Output(proc)
+    output.wait_for(r"^compiling the train step for v5p-8", timeout=240)  # libtpu is loaded: its handler is in place
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=60)
+    _, _, err = output.finish(timeout=60)
     what = "stopped by SIGTERM" if signum == signal.SIGTERM else "interrupted by Ctrl-C"
     assert err == f"{what} during the compile: nothing written\n"
     assert proc.returncode == (143 if signum == signal.SIGTERM else 130)

@@ -167,11 +167,10 @@ def test_ctrl_c_during_a_long_decode_is_one_line_within_seconds(step_dir):
     """The decode loop comes back to the host every few steps, so Ctrl-C lands mid-decode."""
     import signal
     import time
-    from test_cli import Output
-    proc = subprocess.Popen([sys.executable, "-m", "maxtrain.generate", TINY, *BYTES, "max_target_length=32768",
-                             f"load_parameters_path={step_dir}", "prompt=ROMEO:", "max_new_tokens=32000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    from helpers import Output, popen_as_from_a_terminal
+    proc = popen_as_from_a_terminal([sys.executable, "-m", "maxtrain.generate", TINY, *BYTES,
+                                     "max_target_length=32768", f"load_parameters_path={step_dir}", "prompt=ROMEO:",
+                                     "max_new_tokens=32000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     output = Output(proc)
     output.wait_for(r"^prefill and decode compiled in ", timeout=240)
     time.sleep(3)

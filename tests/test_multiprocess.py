@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import SHAKESPEARE, TINY, TESTS
+from helpers import Output
 
 REPO = TESTS.parent
 LAUNCH = str(REPO / "scripts" / "launch_local.sh")
@@ -115,16 +116,15 @@ def test_a_dead_process_stops_the_job_within_the_heartbeat_bound(tmp_path):
                              "log_period=1", "distributed_heartbeat_timeout_seconds=10"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True)
-    for line in proc.stdout:
-        if "step      2/100000 |" in line:
-            break
+    output = Output(proc)
+    output.wait_for(re.escape("step      2/100000 |"), timeout=300)
     os.kill(process_of(tmp_path, 1), signal.SIGKILL)
     t0 = time.time()
     try:
-        code = proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
+        code, _, _ = output.finish(timeout=90)
+    except AssertionError:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("the surviving process did not exit within 90 s")
+        raise AssertionError("the surviving process did not exit within 90 s") from None
     assert code != 0
     print(f"job exited {time.time() - t0:.1f} s after the kill")
 
@@ -141,16 +141,16 @@ def test_sigterm_to_one_process_stops_both_at_one_saved_step(tmp_path):
             "checkpoint_period=100000", *FSDP8_2P]
     proc = subprocess.Popen([*args, "steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=REPO, start_new_session=True)
-    for line in proc.stdout:
-        if "step      3/100000 |" in line:
-            break
+    output = Output(proc)
+    output.wait_for(re.escape("step      3/100000 |"), timeout=300)
     os.kill(process_of(tmp_path, 1), signal.SIGTERM)
     try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
+        code, lines, err = output.finish(timeout=180)
+    except AssertionError:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("the job did not stop within 180 s of the SIGTERM")
-    assert proc.returncode == 0, err[-3000:]
+        raise AssertionError("the job did not stop within 180 s of the SIGTERM") from None
+    assert code == 0, err[-3000:]
+    out = "\n".join(lines)
     line = [x for x in out.splitlines() if "stopped by SIGTERM" in x][0]
     step = int(line.split("after step ")[1].split(":")[0])
     assert "checkpoint saved" in line and (tmp_path / "tiny" / "checkpoints" / str(step) / "state").is_dir()
