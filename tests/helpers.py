@@ -161,15 +161,16 @@ class Output:
 
     def __init__(self, proc: subprocess.Popen):
         self.proc, self.lines, self.err, self.seen = proc, [], [], threading.Condition()
-        self.readers = [threading.Thread(target=self._read, args=(pipe, into), daemon=True)
-                        for pipe, into in ((proc.stdout, self.lines), (proc.stderr, self.err)) if pipe is not None]
+        self.readers = [threading.Thread(target=self._read, args=(pipe, into, strip), daemon=True)
+                        for pipe, into, strip in ((proc.stdout, self.lines, True), (proc.stderr, self.err, False))
+                        if pipe is not None]
         for reader in self.readers:
             reader.start()
 
-    def _read(self, pipe, into: list[str]) -> None:
+    def _read(self, pipe, into: list[str], strip: bool) -> None:
         for line in pipe:
             with self.seen:
-                into.append(line.rstrip("\n") if into is self.lines else line)
+                into.append(line.rstrip("\n") if strip else line)
                 self.seen.notify_all()
 
     def wait_for(self, pattern: str, timeout: float = 180) -> None:
