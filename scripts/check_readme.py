@@ -4,11 +4,11 @@ does, one after another in one folder: a fresh copy of the checkout (its tracked
 the repo, with a home of its own (no compilation cache, no settings), and checks that each gives what the text
 shows. Commands that collide when run in order (two runs under one name) fail here.
 
-    python scripts/check_readme.py [README.md ...] [--keep DIR] [--home DIR] [--list] [--groups]
+    python scripts/check_readme.py [README.md | docs/x.md#K ...] [--keep DIR] [--home DIR] [--list] [--groups]
 
-Given pages run in that order in one checkout. The tests run each page in a checkout of its own, side by side,
-a page after the pages it uses the outputs of (NEEDS; `--groups` lists them), and check statically that no two
-pages train one run (`collisions`).
+Given pages (or a page's `## ` section K, counted from 0) run in that order in one checkout. The tests run each
+section in a checkout of its own, side by side, a page whole after the pages it uses the outputs of (NEEDS;
+`--groups` lists them), and check statically that no two of them train one run (`collisions`).
 
 Commands are the lines of the ```bash blocks (a trailing `\\` joins lines; `# ...` comments go), run with
 bash so that `VAR=value` prefixes and `&&` work as typed, with the `python` running this script first on
@@ -232,18 +232,43 @@ def reading_order(readme: Path) -> list[Path]:
     return [readme, *(p for p in linked if p.exists()), *rest]
 
 
-def page_name(page: Path) -> str:
+def page_name(page: str | Path) -> str:
+    page = Path(page)
     return str(page.relative_to(REPO)) if page.is_relative_to(REPO) else str(page)
 
 
-def groups(pages: list[Path]) -> list[list[Path]]:
-    """The pages (in reading order) as runs of their own: each page alone, or after the pages it NEEDS (which
-    then run there only). Pages without a command or a sample to check are left out."""
+def sections(text: str) -> list[tuple[int, int]]:
+    """A page's `## ` sections as (first line, last line); the text before the first heading is one too."""
+    starts = [1] + [n for n, line in enumerate(text.splitlines(), 1) if line.startswith("## ") and n > 1]
+    return list(zip(starts, [s - 1 for s in starts[1:]] + [len(text.splitlines())]))
+
+
+def steps_of(part: str | Path) -> list[Step]:
+    """The steps of a page (`docs/x.md`) or of one of its sections (`docs/x.md#K`, K counted from 0)."""
+    path, _, k = str(part).partition("#")
+    steps = parse(Path(path).read_text(), page_name(Path(path)))
+    if not k:
+        return steps
+    first, last = sections(Path(path).read_text())[int(k)]
+    return [s for s in steps if first <= s.line <= last]
+
+
+def groups(pages: list[Path]) -> list[list[str]]:
+    """The pages (in reading order) as runs of their own: each section of a page that has commands or samples
+    alone (`page#K`; a page's sections share no outputs: a later one that used an earlier one's would fail
+    here), or a page whole after the pages it NEEDS (which then run there only)."""
     by_name = {page_name(p): p for p in pages}
     needed = {name for names in NEEDS.values() for name in names}
-    return [[by_name[n] for n in NEEDS.get(page_name(page), []) if n in by_name] + [page] for page in pages
-            if page_name(page) not in needed and any(s.command or s.shape for s in parse(page.read_text(),
-                                                                                           page_name(page)))]
+    runs = []
+    for page in pages:
+        if page_name(page) in needed:
+            continue
+        if page_name(page) in NEEDS:
+            runs.append([str(by_name[n]) for n in NEEDS[page_name(page)] if n in by_name] + [str(page)])
+            continue
+        runs += [[f"{page}#{k}"] for k in range(len(sections(page.read_text())))
+                 if any(s.command or s.shape for s in steps_of(f"{page}#{k}"))]
+    return runs
 
 
 def trained_run(command: str) -> tuple[list[str], int, int] | None:
@@ -292,7 +317,7 @@ def collisions(runs: list[list[Path]], cwd: Path = REPO) -> list[str]:
     first: dict[str, tuple[str, int]] = {}  # run name -> (where it is first trained, its group)
     problems = []
     for number, group in enumerate(runs):
-        steps = [s for page in group for s in parse(page.read_text(), page_name(page))]
+        steps = [s for part in group for s in steps_of(part)]
         for step, name in zip(steps, run_names(steps, cwd)):
             if name in first and first[name][1] != number:
                 problems.append(f"{step.file}:{step.line} trains run {name}, as {first[name][0]} does (another "
@@ -312,12 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", action="store_true", help="print the groups of pages the tests run apart")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
     args = parser.parse_args(argv)
-    files = [Path(f).resolve() for f in args.readme] or reading_order(REPO / "README.md")
+    files = [str(Path(path).resolve()) + hash_ + k for path, hash_, k in (f.partition("#") for f in args.readme)] \
+        or reading_order(REPO / "README.md")
     if args.groups:
-        for group in groups(files):
+        for group in groups([Path(f) for f in files]):
             print(" ".join(page_name(p) for p in group))
         return 0
-    steps = [s for f in files for s in parse(f.read_text(), page_name(f))]
+    steps = [s for f in files for s in steps_of(f)]
     if args.list:
         for s in steps:
             print(f"{s.file}:{s.line}: " + (f"(skip: {s.skip})" if s.skip else s.command or f"sample {s.shape}"))

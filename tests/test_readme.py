@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,21 +100,26 @@ PAGES = check_readme.groups(check_readme.reading_order(TESTS.parent / "README.md
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pages", PAGES, ids=[" ".join(p.name for p in group) for group in PAGES])
+@pytest.mark.parametrize("pages", PAGES, ids=[" ".join(Path(p).name for p in group) for group in PAGES])
 def test_each_pages_commands_give_what_it_shows(pages):
-    """A page's commands as written, one after another, in a fresh checkout (a page that uses another's outputs
-    after it: check_readme.NEEDS); the pages side by side, sharing this session's compilation cache (its HOME)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), *map(str, pages), "--home", os.environ["HOME"]],
+    """A section's commands as written, one after another, in a fresh checkout (a page that uses another's
+    outputs whole, after it: check_readme.NEEDS); the sections side by side, sharing this session's compilation
+    cache (its HOME)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), *pages, "--home", os.environ["HOME"]],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 def test_the_pages_run_apart_only_where_no_page_uses_anothers_outputs():
     names = [[check_readme.page_name(p) for p in group] for group in PAGES]
-    assert names[0] == ["README.md"] and ["docs/hf.md", "docs/generation.md"] in names
-    assert sorted(n for group in names for n in group) == sorted(set(n for group in names for n in group))
-    pages_with_commands = [p for p in check_readme.reading_order(TESTS.parent / "README.md") if "```" in p.read_text()]
-    assert len(pages_with_commands) == sum(map(len, names))  # every page that shows a command runs
+    assert names[0] == ["README.md#0"] and ["docs/hf.md", "docs/generation.md"] in names
+    assert ["docs/models.md#3"] in names and ["docs/models.md#6"] in names  # a long page's sections apart
+    parts = [n for group in names for n in group]
+    assert len(parts) == len(set(parts))
+    order = check_readme.reading_order(TESTS.parent / "README.md")
+    every = [s for page in order for s in check_readme.parse(page.read_text(), check_readme.page_name(page))]
+    run = [s for part in parts for s in check_readme.steps_of(TESTS.parent / part)]
+    assert every and [s for s in every if s.command or s.shape] == [s for s in run if s.command or s.shape]
 
 
 def test_no_two_pages_train_one_run(tmp_path):
