@@ -49,6 +49,8 @@ SKIP = [  # (pattern, why): parts of a command line that are not run
 HF_MODEL = "path/to/hf_model"
 # A page that runs what another page made (its checkpoints, its imported model) runs after it, in its checkout.
 NEEDS = {"docs/generation.md": ["docs/hf.md"]}
+# Pages that run whole, not a section at a time: a later section shows what an earlier one's command printed.
+WHOLE = {"README.md": "its Usage section shows the quickstart's log"}
 # Environment settings that would change what a command does compared with a newcomer's shell.
 CLEARED = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
 
@@ -256,15 +258,15 @@ def steps_of(part: str | Path) -> list[Step]:
 def groups(pages: list[Path]) -> list[list[str]]:
     """The pages (in reading order) as runs of their own: each section of a page that has commands or samples
     alone (`page#K`; a page's sections share no outputs: a later one that used an earlier one's would fail
-    here), or a page whole after the pages it NEEDS (which then run there only)."""
+    here), or a page whole (WHOLE) or after the pages it NEEDS (which then run there only)."""
     by_name = {page_name(p): p for p in pages}
     needed = {name for names in NEEDS.values() for name in names}
     runs = []
     for page in pages:
         if page_name(page) in needed:
             continue
-        if page_name(page) in NEEDS:
-            runs.append([str(by_name[n]) for n in NEEDS[page_name(page)] if n in by_name] + [str(page)])
+        if page_name(page) in NEEDS or page_name(page) in WHOLE:
+            runs.append([str(by_name[n]) for n in NEEDS.get(page_name(page), []) if n in by_name] + [str(page)])
             continue
         runs += [[f"{page}#{k}"] for k in range(len(sections(page.read_text())))
                  if any(s.command or s.shape for s in steps_of(f"{page}#{k}"))]

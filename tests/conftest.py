@@ -125,9 +125,11 @@ def decode(c, trainer, params, prompts, max_new_tokens, sampling=None, eos_id=No
 # share of the queue (xdist's worksteal hands worker k the k-th of N equal slices, then idle workers steal from
 # the ends of the others') starts with its part of these, so that they run side by side, not one after another.
 LONG = {
-    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows[models.md#6]": 400,
-    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows[data.md#2]": 300,
-    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows": 150,  # each other section
+    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows[models.md#6]": 635,
+    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows[README.md]": 290,
+    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows[parallelism.md#1]": 400,
+    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows[data.md#2]": 285,
+    "tests/test_readme.py::test_each_pages_commands_give_what_it_shows": 200,  # each other section
     "tests/test_faults.py::test_two_processes_roll_back_and_fall_back_together": 83,
     "tests/test_deepseek.py::test_the_same_losses_on_every_mesh_with_mtp": 55,
     "tests/test_multiprocess.py::test_the_data_position_moves_between_process_counts": 65,

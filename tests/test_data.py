@@ -21,7 +21,7 @@ from maxtrain.config.keys import ConfigError
 from maxtrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, make_tokenizer
 
 from conftest import SHAKESPEARE, TESTS, xla_flags
-from helpers import Output, Run, one_line, run_cli
+from helpers import Output, Run, one_line, popen_as_from_a_terminal, run_cli
 
 REPO = TESTS.parent
 
@@ -601,8 +601,9 @@ def test_host_memory_does_not_grow_with_the_corpus(tmp_path):
 # ---- python -m maxtrain.prepare as a user runs it -------------------------------------------------
 
 def prepare_cli(*args, tmp_path):
-    return subprocess.Popen([sys.executable, "-m", "maxtrain.prepare", "configs/base.yml", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    """The prepare command, with Ctrl-C at its default (a suite run in the background would hand it ignored)."""
+    return popen_as_from_a_terminal([sys.executable, "-m", "maxtrain.prepare", "configs/base.yml", *args],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
 @pytest.mark.slow
