@@ -248,10 +248,11 @@ def sections(text: str) -> list[tuple[int, int]]:
 def steps_of(part: str | Path) -> list[Step]:
     """The steps of a page (`docs/x.md`) or of one of its sections (`docs/x.md#K`, K counted from 0)."""
     path, _, k = str(part).partition("#")
-    steps = parse(Path(path).read_text(), page_name(Path(path)))
+    text = Path(path).read_text()
+    steps = parse(text, page_name(path))
     if not k:
         return steps
-    first, last = sections(Path(path).read_text())[int(k)]
+    first, last = sections(text)[int(k)]
     return [s for s in steps if first <= s.line <= last]
 
 

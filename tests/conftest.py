@@ -28,6 +28,7 @@ os.environ["HOME"] = os.environ["MAXTRAIN_TEST_HOME"]
 import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -180,7 +181,6 @@ def pytest_runtest_logreport(report):
     """Name each long test when it ends, with the run's time so far, so that a run stopped from outside (CI's
     limit) still shows where its time went; --durations tells only at the end."""
     if report.when == "call" and report.duration >= SLOW_TO_NAME and "PYTEST_XDIST_WORKER" not in os.environ:
-        import sys
         sys.stdout.write(f"\n[{time.monotonic() - _started:5.0f} s] {report.duration:4.0f} s {report.nodeid}\n")
         sys.stdout.flush()
 
