@@ -61,7 +61,7 @@ class Config(Mapping):
     def to_yaml(self) -> str:
         """The declared keys only (no derived values), so the file loads again as a config."""
         declared = _read_yaml(BASE_YML)
-        return yaml.safe_dump({k: v for k, v in self._values.items() if k in declared}, sort_keys=False)
+        return yaml_file.safe_dump({k: v for k, v in self._values.items() if k in declared}, sort_keys=False)
 
 
 # ---------------------------------------------------------------------------------------------

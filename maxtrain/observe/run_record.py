@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import yaml
 
-from maxtrain.config import load as config_lib
+from maxtrain.config import load as config_lib, yaml_file
 from maxtrain.runtime import storage
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # maxtrain/
@@ -55,7 +55,7 @@ def command_line(argv: list[str]) -> str:
 
 def resolved(c: config_lib.Config) -> dict:
     """The declared keys as this run resolved them (platform defaults applied): config.yml's content."""
-    return yaml.safe_load(c.to_yaml())
+    return yaml_file.safe_load(c.to_yaml())
 
 
 def record(c: config_lib.Config, run_dir: Path, start_step: int | None = None) -> dict:

@@ -16,7 +16,7 @@ BASE_YML = Path(__file__).resolve().parent.parent / "configs" / "base.yml"
 
 @functools.cache
 def _values() -> dict[str, Any]:
-    return yaml.safe_load(BASE_YML.read_text(encoding="utf-8"))
+    return yaml.load(BASE_YML.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def default(key: str) -> Any:

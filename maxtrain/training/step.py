@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -149,9 +150,12 @@ def build(c: Config, mesh) -> Trainer:
 
     to_run_order, to_model_order = _layer_orders(model)
 
-    def init_state(rng) -> TrainState:
-        params = to_run_order(nn.meta.unbox(model.init(rng, dummy_tokens)["params"]))
+    def state_of(params) -> TrainState:  # params in the model's layer order
+        params = to_run_order(params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    def init_state(rng) -> TrainState:
+        return state_of(nn.meta.unbox(model.init(rng, dummy_tokens)["params"]))
 
     rng = jax.random.key(c.init_weights_seed)
     boxed = jax.eval_shape(model.init, rng, dummy_tokens)["params"]
@@ -162,7 +166,7 @@ def build(c: Config, mesh) -> Trainer:
     if model.args.plan.schedule.active:
         notes.insert(0, pipeline.placement([(s.name, s.count, s.moe) for s in model.args.stacks()],
                                            model.args.plan.schedule))
-    abstract = jax.eval_shape(init_state, rng)
+    abstract = jax.eval_shape(state_of, param_shapes)  # not init_state: one trace of the model fewer
     replicated = rules_lib.replicated(mesh)
     # Optimizer moments are shaped like the params and sharded like them; counters are replicated.
     opt_shardings = optax.tree_map_params(
@@ -173,8 +177,10 @@ def build(c: Config, mesh) -> Trainer:
     batch_sharding = rules_lib.sharding_for(("batch", "length"), mesh, rules)
     # On CPU most of the compile time goes to LLVM, and at level 1 it takes less of it; the step runs
     # as fast (its matmuls are library calls), equal to the default's results up to float32 rounding.
+    # A level set in XLA_FLAGS wins (the tests compile at 0): options given here would override it.
     on_cpu = mesh.devices.flat[0].platform == "cpu"
-    cpu_compile = {"xla_backend_optimization_level": 1} if on_cpu else None
+    level_set = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
+    cpu_compile = {"xla_backend_optimization_level": 1} if on_cpu and not level_set else None
     init = jax.jit(init_state, out_shardings=state_shardings, compiler_options=cpu_compile)
     step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
