@@ -7,6 +7,7 @@
 # Env: MAXTRAIN_DEVICES_PER_PROCESS (fake CPU devices per process, default 4),
 #      MAXTRAIN_PLATFORM (default cpu), MAXTRAIN_COORDINATOR_PORT (default: a free port),
 #      MAXTRAIN_LOG_DIR (where processes 1..N-1 write their output; default ./outputs/launch_local).
+#      XLA_FLAGS is passed on, with each process's device count after it.
 # Process 0 prints to this terminal. Exits non-zero if any process fails.
 set -euo pipefail
 dry_run=0
@@ -27,7 +28,9 @@ log_dir=${MAXTRAIN_LOG_DIR:-outputs/launch_local}
 trap '' INT
 pids=()
 for ((i = 0; i < n; i++)); do
-  cmd=(env "XLA_FLAGS=--xla_force_host_platform_device_count=$devices" "JAX_PLATFORMS=$platform"
+  # The device count after the shell's XLA_FLAGS: the last of a flag wins.
+  cmd=(env "XLA_FLAGS=${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$devices"
+       "JAX_PLATFORMS=$platform"
        "$python" -m maxtrain.train "$@" "coordinator_address=127.0.0.1:$port" "num_processes=$n" "process_id=$i")
   if [[ $dry_run == 1 ]]; then
     printf '%q ' "${cmd[@]}"; echo

@@ -27,6 +27,7 @@ if "MAXTRAIN_TEST_HOME" not in os.environ:  # the first process of the run (xdis
 os.environ["HOME"] = os.environ["MAXTRAIN_TEST_HOME"]
 
 import contextlib  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -178,11 +179,28 @@ SLOW_TO_NAME = 60  # seconds: a test at least this long is named as it ends (in 
 _started = time.monotonic()
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the children it has waited for (a test's subprocesses)."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Each test's CPU seconds (its own and its subprocesses'), beside its wall time in the report: a test far
+    under its wall time mostly waits (a timeout, a sleep), one far over it runs threads on both cores."""
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append(("cpu_seconds", round(_cpu_seconds() - start, 1)))
+
+
 def pytest_runtest_logreport(report):
     """Name each long test when it ends, with the run's time so far, so that a run stopped from outside (CI's
     limit) still shows where its time went; --durations tells only at the end."""
     if report.when == "call" and report.duration >= SLOW_TO_NAME and "PYTEST_XDIST_WORKER" not in os.environ:
-        sys.stdout.write(f"\n[{time.monotonic() - _started:5.0f} s] {report.duration:4.0f} s {report.nodeid}\n")
+        cpu = dict(report.user_properties).get("cpu_seconds", "?")
+        sys.stdout.write(f"\n[{time.monotonic() - _started:5.0f} s] {report.duration:4.0f} s (CPU {cpu} s) "
+                         f"{report.nodeid}\n")
         sys.stdout.flush()
 
 

@@ -22,11 +22,12 @@ def dry(*cmd, env=None):
 
 def test_launch_local_dry_run():
     out = dry("scripts/launch_local.sh", "--dry-run", "2", "configs/base.yml", "steps=5",
-              env={"MAXTRAIN_COORDINATOR_PORT": "4321"})
+              env={"MAXTRAIN_COORDINATOR_PORT": "4321", "XLA_FLAGS": "--xla_dump_to=/tmp/d"})
     lines = [shlex.split(x) for x in out.strip().splitlines()]
     assert len(lines) == 2
-    for i, argv in enumerate(lines):
-        assert argv[:3] == ["env", "XLA_FLAGS=--xla_force_host_platform_device_count=4", "JAX_PLATFORMS=cpu"]
+    for i, argv in enumerate(lines):  # the shell's XLA_FLAGS kept, the device count after them (the last wins)
+        assert argv[:3] == ["env", "XLA_FLAGS=--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4",
+                            "JAX_PLATFORMS=cpu"]
         assert argv[4:7] == ["-m", "maxtrain.train", "configs/base.yml"]
         assert argv[-4:] == ["steps=5", "coordinator_address=127.0.0.1:4321", "num_processes=2", f"process_id={i}"]
 

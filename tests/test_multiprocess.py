@@ -28,8 +28,8 @@ def launch_env(tmp_path):
                 PYTHON=sys.executable)
 
 
-def launch(tmp_path, *args, timeout=600):
-    env = launch_env(tmp_path)
+def launch(tmp_path, *args, timeout=600, env=None):
+    env = {**launch_env(tmp_path), **(env or {})}
     return subprocess.run([LAUNCH, "2", TINY, f"base_output_directory={tmp_path}", "log_period=1", *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -91,9 +91,12 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path, train_tiny):
     resumed = train_tiny("run_name=a", "steps=9", "enable_checkpointing=true", "learning_rate_schedule_steps=12")
     np.testing.assert_allclose(resumed["losses"], straight[6:9], rtol=RTOL)
     # ... and saved by one process (at 9), resumed by the two-process job.
-    proc = launch(tmp_path, "run_name=a", "steps=12", *ckpt)
+    proc = launch(tmp_path, "run_name=a", "steps=12", *ckpt, env={"JAX_LOG_COMPILES": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {tmp_path}/a/checkpoints/9" in proc.stdout
+    # The step the first job compiled is read from the compilation cache by process 1 too, not compiled again
+    # while process 0 waits for it (startup.same_cache_keys_on_every_cpu_process).
+    assert "Persistent compilation cache hit for 'jit_step'" in (tmp_path / "logs" / "process_1.log").read_text()
     np.testing.assert_allclose(losses(tmp_path / "a")[-3:], straight[9:12], rtol=RTOL)
 
 

@@ -29,4 +29,25 @@ def load_config(argv: list[str], devices=None) -> resolve.Resolved:
     if c.compilation_cache_dir:  # a rerun of the same program loads its executables instead of compiling
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(c.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if jax.process_count() > 1 and devices[0].platform == "cpu":
+            same_cache_keys_on_every_cpu_process()
     return resolve.resolve(c, devices)
+
+
+def same_cache_keys_on_every_cpu_process() -> None:
+    """JAX keys a cached executable by the devices' topology fingerprint, and on CPU each process's differs
+    (jax 0.12), while only process 0 writes entries: every other process missed the cache on every start,
+    compiled the whole step again, and the first step waited for it (8 s of a tiny 2-process start). On CPU
+    the devices' kind keys it alike; the compile options in the key already name every device by id."""
+    from jax._src import cache_key  # no public switch: the key's parts are internal
+    accelerator_config, by_kind = getattr(cache_key, "_hash_accelerator_config", None), \
+        getattr(cache_key, "_hash_devices", None)
+    if accelerator_config is None or by_kind is None or getattr(accelerator_config, "cpu_by_kind", False):
+        return
+
+    def hashed(hash_obj, devices):
+        if all(d.platform == "cpu" for d in devices.flat):
+            return by_kind(hash_obj, devices)
+        return accelerator_config(hash_obj, devices)
+    hashed.cpu_by_kind = True
+    cache_key._hash_accelerator_config = hashed
