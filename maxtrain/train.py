@@ -21,13 +21,15 @@ import concurrent.futures
 import os
 import time
 
+import jax
+
 from maxtrain.config import load as config_lib, platform_defaults, help as cli_help, run_name as run_name_lib
 
 from maxtrain.config import validate as config_validate
 from maxtrain.launch import distributed, run_dir as run_dir_lib
 from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.data import pipeline as data
-from maxtrain.observe import fit, writers as metric_writers, progress, run_record, summary
+from maxtrain.observe import fit, goodput, writers as metric_writers, progress, run_record, summary
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import optimizer, step as step_lib
 from maxtrain.launch.startup import load_config
@@ -71,16 +73,17 @@ def train(c: config_lib.Config, devices=None) -> dict:
     batches, evals = data.make_iterators(c, trainer.batch_sharding, say)
     samples = Samples(c, trainer) if c.sample_interval else None
     run_dir, created = run_dir_lib.make(c)
+    ledger = goodput.Ledger(run_dir, write=jax.process_index() == 0)  # this start's time, by cause
     say(run_record.start_lines(c, run_dir))
     # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored;
     # the tracing before it stays on this thread (Trainer.lower_train_step says why).
     t_compile, compiler = time.perf_counter(), concurrent.futures.ThreadPoolExecutor(1)
-    with progress.heartbeat("tracing the train step"):
+    with progress.heartbeat("tracing the train step"), ledger.phase("compile"):
         lowered = trainer.lower_train_step()
     say("compiling the train step (in the background while the state is made)")
     compiling = compiler.submit(progress.timed, trainer.compile_train_step, lowered)
     compiler.shutdown(wait=False)
-    return TrainLoop(c, trainer, batches, evals, run_dir, created, compiling, t_compile, samples).run()
+    return TrainLoop(c, trainer, batches, evals, run_dir, created, compiling, t_compile, ledger, samples).run()
 
 
 PRINT_CONFIG = "--print-config"
@@ -107,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     def run():
         c = load_config([a for a in argv if a != PRINT_CONFIG])
         if print_config:  # the config as this run would resolve it on these devices; nothing runs
-            import jax
             import yaml
             from maxtrain.config import load as config_load, resolve
             derived = {k: c[k] for k in (*config_load.DERIVED_AT_LOAD, *resolve.DERIVED)}

@@ -138,6 +138,7 @@ LONG = {
     "tests/test_multiprocess.py::test_the_data_position_moves_between_process_counts": 65,
     "tests/test_moe.py::test_metrics_resume_and_accumulation": 70,
     "tests/test_multiprocess.py::test_checkpoints_move_between_two_processes_and_one": 68,
+    "tests/test_goodput.py::test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_killed": 81,
     "tests/test_checkpoint.py::test_kill_9_at_random_moments_resumes_to_the_same_params": 64,
     "tests/test_cli.py::test_ctrl_c_in_a_terminal_stops_every_process_at_one_saved_step": 60,
     "tests/test_data.py::test_bad_inputs_name_the_file": 58,

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -203,3 +204,29 @@ def popen_as_from_a_terminal(args: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(args, **kwargs)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def saved_arrays(state_dir: Path):
+    """A checkpoint's train state (its `state` item) as numpy arrays, whatever devices or processes saved it."""
+    import jax
+    import orbax.checkpoint as ocp
+    checkpointer = ocp.PyTreeCheckpointer()
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                            checkpointer.metadata(state_dir).item_metadata.tree)
+    return checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+
+
+def read_events(path: Path) -> list:
+    """Every Event of a tensorboard event file, checking each record's framing and CRCs."""
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+    data, events, i = path.read_bytes(), [], 0
+    while i < len(data):
+        header = data[i:i + 8]
+        (length,) = struct.unpack("Q", header)
+        assert struct.unpack("I", data[i + 8:i + 12])[0] == masked_crc32c(header)
+        body = data[i + 12:i + 12 + length]
+        assert struct.unpack("I", data[i + 12 + length:i + 16 + length])[0] == masked_crc32c(body)
+        events.append(event_pb2.Event.FromString(body))
+        i += 16 + length
+    return events

@@ -21,7 +21,7 @@ import pytest
 from maxtrain.data import pipeline as data
 from maxtrain import train
 from conftest import TINY, TESTS, tmpfs
-from helpers import main_in_process, one_line, run_cli
+from helpers import main_in_process, one_line, run_cli, saved_arrays
 
 CKPT = ("enable_checkpointing=true",)
 
@@ -122,15 +122,9 @@ def strict_rows(path: Path) -> list[dict]:
 
 def finite_checkpoints(run_dir: Path) -> list[int]:
     """Steps on disk; asserts every array in each is finite."""
-    import orbax.checkpoint as ocp
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     for step in steps:
-        path = run_dir / "checkpoints" / str(step) / "state"
-        checkpointer = ocp.PyTreeCheckpointer()
-        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-                                checkpointer.metadata(path).item_metadata.tree)
-        tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
-        for x in jax.tree.leaves(tree):
+        for x in jax.tree.leaves(saved_arrays(run_dir / "checkpoints" / str(step) / "state")):
             assert np.all(np.isfinite(np.asarray(x, np.float32))), f"step {step} holds non-finite values"
     return steps
 

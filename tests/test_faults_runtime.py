@@ -4,7 +4,6 @@ and a peer process that dies or hangs. Each is one line, a non-zero exit code, w
 import os
 import re
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from maxtrain.parallel import mesh as mesh_lib
 from maxtrain import train
 from maxtrain.config.resolve import resolve
 from conftest import TESTS, TINY, xla_flags
-from helpers import Output, one_line, run_cli
+from helpers import Output, one_line, read_events, run_cli
 from test_faults import CKPT, small_disk  # noqa: F401 (a fixture)
 
 REPO = TESTS.parent
@@ -50,22 +49,6 @@ def test_a_metrics_directory_that_cannot_be_written_is_one_line(tmp_path):
     blocker.write_text("a file where the run directory goes")
     with pytest.raises(metric_writers.MetricsError, match=f"cannot write {blocker}/metrics.jsonl: "):
         metric_writers.MetricsWriter(blocker, ("tensorboard", "jsonl"))
-
-
-def read_events(path: Path) -> list:
-    """Every Event of a tensorboard event file, checking each record's framing and CRCs."""
-    from tensorboardX.proto import event_pb2
-    from tensorboardX.record_writer import masked_crc32c
-    data, events, i = path.read_bytes(), [], 0
-    while i < len(data):
-        header = data[i:i + 8]
-        (length,) = struct.unpack("Q", header)
-        assert struct.unpack("I", data[i + 8:i + 12])[0] == masked_crc32c(header)
-        body = data[i + 12:i + 12 + length]
-        assert struct.unpack("I", data[i + 12 + length:i + 16 + length])[0] == masked_crc32c(body)
-        events.append(event_pb2.Event.FromString(body))
-        i += 16 + length
-    return events
 
 
 def test_tensorboard_events_are_written_in_the_callers_thread(tmp_path):

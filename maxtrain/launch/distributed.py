@@ -118,7 +118,9 @@ def _die_with_parent() -> None:
 
 
 def _run_child(c: Config) -> int:
-    child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env={**os.environ, _CHILD_ENV: "1"},
+    from maxtrain.observe import goodput  # the child's start-up began with this process
+    env = {**os.environ, _CHILD_ENV: "1", goodput.STARTED_ENV: str(goodput.process_start())}
+    child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env=env,
                              stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
     # Signals reach the child through here only (it has a session of its own, so a terminal's Ctrl-C, sent to
     # the whole foreground group, reaches this process alone): once each. The child turns a Ctrl-C into a

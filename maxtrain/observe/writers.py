@@ -225,7 +225,8 @@ class MetricsWriter:
             self.abandon()
             raise MetricsError(f"writing {self._at} failed: {_os_error(e)}") from None
 
-    def write(self, step: int, scalars: dict[str, float], prefix: str = "train") -> None:
+    def write(self, step: int, scalars: dict[str, float], prefix: str = "train", jsonl: bool = True) -> None:
+        """jsonl=False: tensorboard and W&B only (what another file of the run already holds)."""
         if not self.active:
             return
         # Strict JSON: a non-finite value is written as null (the step's nonfinite flag says why).
@@ -241,7 +242,7 @@ class MetricsWriter:
             flat.update({f"{prefix}/{name}": x for name, x in values.items()
                          if math.isfinite(x) and name not in JSONL_ONLY})
         try:
-            if self._jsonl:
+            if self._jsonl and jsonl:
                 self._at = self._jsonl.name
                 self._jsonl.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
                 self._jsonl.flush()

@@ -18,7 +18,7 @@ from maxtrain.data import pipeline as data
 from maxtrain.launch import run_dir as run_dir_lib
 from maxtrain.runtime import errors
 from maxtrain.observe import fit, metrics as metrics_lib, writers as metric_writers, profiler as profiler_lib
-from maxtrain.observe import progress, run_record
+from maxtrain.observe import goodput, progress, run_record
 from maxtrain.observe.data_watch import DataWatch, MixtureWatch
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import step as step_lib
@@ -33,13 +33,15 @@ class TrainLoop:
     """One run of `c` with `trainer` from its newest checkpoint (or its start) to steps, the data's end or a
     stop request. `created`: the run directory is this start's, and is removed if a failure leaves it unused.
     `compiling`: the train step being compiled (a future of (executable, seconds)) since `t_compile`.
+    `ledger`: this start's goodput.Ledger, told where the time goes.
     `samples`: continuations to print and log every sample_interval steps (maxtrain.training.samples), or None."""
 
     def __init__(self, c: config_lib.Config, trainer: step_lib.Trainer, batches, evals, run_dir,
-                 created: bool, compiling, t_compile: float, samples=None):
+                 created: bool, compiling, t_compile: float, ledger: goodput.Ledger, samples=None):
         self.c, self.trainer, self.batches, self.evals = c, trainer, batches, evals
         self.samples = samples
         self.run_dir, self.created, self.compiling, self.t_compile = run_dir, created, compiling, t_compile
+        self.ledger, self.goodput = ledger, None  # goodput: the job's summary once this start ends
         self.tokens_per_step = c.global_batch_size * c.max_target_length
         self.flops_per_device = metrics_lib.train_flops_per_step(c) / c.num_devices
         self.guard = NonFiniteGuard(c)
@@ -69,8 +71,13 @@ class TrainLoop:
                 self.loop()
                 self.end_of_data()
             if self.checkpointer is not None:
-                with progress.heartbeat("waiting for the last checkpoint to be written"):
+                with progress.heartbeat("waiting for the last checkpoint to be written"), \
+                        self.ledger.phase("checkpoint"):
                     self.checkpointer.close()  # waits until every pending save is durable
+            self.goodput = self.ledger.end("preempted" if self.preempted else "done")
+            if self.goodput is not None:
+                # goodput.jsonl holds them for tools: metrics.jsonl's rows stay the steps' and evals'
+                self.writer.write(int(self.state.step), goodput.metrics(self.goodput), prefix="goodput", jsonl=False)
             finished = True
         finally:
             # The exception under way, if any (held in no local: it would keep this frame and the run's
@@ -88,8 +95,11 @@ class TrainLoop:
                 self.checkpointer.set_aside_after(stable, "decayed", "a wsd run extended (learning_rate_schedule_steps "
                                                   f"{previous['learning_rate_schedule_steps']} -> "
                                                   f"{c.learning_rate_schedule_steps})")
+            t0 = time.perf_counter()
             self.state = initial_state(c, self.trainer, self.checkpointer, self.batches)
             t_state = time.perf_counter() - self.t_compile
+            if int(self.state.step):  # a restore; a new state's making is start-up
+                self.ledger.add("restore", time.perf_counter() - t0)
             note = optimizer.extension_note(c, previous, int(self.state.step))
             if note:
                 say(note)
@@ -98,7 +108,8 @@ class TrainLoop:
             self.writer = metric_writers.MetricsWriter(self.run_dir, metric_writers.backends(c), int(self.state.step),
                                                        record)
             beat.what = "compiling the train step"
-            self.train_step, compile_seconds = self.compiling.result()
+            with self.ledger.phase("compile"):  # what is left of it once the state is ready
+                self.train_step, compile_seconds = self.compiling.result()
         fit.check_compiled(self.train_step, self.trainer.mesh)  # before the first batch is made
         jax.block_until_ready(self.state)
         say(f"train step compiled in {compile_seconds:.1f} s; state ready in {t_state:.1f} s")
@@ -113,6 +124,7 @@ class TrainLoop:
         self.first_step = int(self.state.step)
         self.last_time, self.last_step = self.t_start, self.first_step
         self.saved_step = self.checkpointer.latest_step() if self.checkpointer is not None else None
+        self.ledger.loop(self.first_step)
 
     def loop(self) -> None:
         """Dispatches step after step; a step's metrics are read once the next is queued, unless a save, an
@@ -121,6 +133,7 @@ class TrainLoop:
         while step < c.steps:
             if self.checkpointer is not None:
                 self.checkpointer.poll()  # a failed background save stops the run now
+            t0 = time.perf_counter()
             try:
                 batch = next(self.batches)
             except StopIteration:
@@ -128,6 +141,7 @@ class TrainLoop:
                                                           else f"num_epochs={c.num_epochs}"))
                 self.exhausted = True
                 break
+            self.ledger.waited(time.perf_counter() - t0)
             self.profiler.before_step(step + 1)
             self.state, device_metrics = self.train_step(self.state, batch)
             step += 1
@@ -174,6 +188,7 @@ class TrainLoop:
         None, or the non-finite policy's action for it ("skip" / "rollback"; "stop" raises)."""
         c = self.c
         m = {k: v.tolist() if v.ndim else float(v) for k, v in jax.device_get(device_metrics).items()}
+        self.ledger.step(step_done)
         bad = m["nonfinite"] > 0
         self.mixture_watch.add(m)
         m["nonfinite_steps"] = self.guard.count + bad
@@ -206,7 +221,7 @@ class TrainLoop:
         """None, or (the state is not finite: an update overflowed it; nothing saved) the policy's action."""
         t0 = time.perf_counter()
         try:
-            with progress.heartbeat(f"saving checkpoint {step_done}"):
+            with progress.heartbeat(f"saving checkpoint {step_done}"), self.ledger.phase("checkpoint"):
                 # the data state is gathered only here
                 self.checkpointer.save(step_done, self.trainer.to_saved(self.state), self.batches.get_state())
         except errors.NonFiniteState as e:
@@ -219,7 +234,8 @@ class TrainLoop:
 
     def evaluate(self, step_done: int) -> None:
         c, t0 = self.c, time.perf_counter()
-        with progress.heartbeat(f"evaluating at {metrics_lib.step_of(step_done, c.steps)}"):
+        with progress.heartbeat(f"evaluating at {metrics_lib.step_of(step_done, c.steps)}"), \
+                self.ledger.phase("eval"):
             e = evaluation.evaluate(c, self.trainer, self.state.params, self.evals)
         self.last_time += time.perf_counter() - t0  # keep eval out of the step-time window
         self.evaluated_step = step_done
@@ -230,7 +246,8 @@ class TrainLoop:
 
     def sample(self, step_done: int) -> None:
         t0 = time.perf_counter()
-        with progress.heartbeat(f"sampling at {metrics_lib.step_of(step_done, self.c.steps)}"):
+        with progress.heartbeat(f"sampling at {metrics_lib.step_of(step_done, self.c.steps)}"), \
+                self.ledger.phase("eval"):
             samples = self.samples.sample(self.state.params)
         self.last_time += time.perf_counter() - t0  # keep sampling out of the step-time window
         for x in samples:
@@ -241,7 +258,8 @@ class TrainLoop:
         """The newest checkpoint (or the start), then past the batches from it up to `bad_step`. Returns the
         step it is back at."""
         self.state = None  # free it before the restore allocates another
-        with progress.heartbeat(f"restoring the newest checkpoint for the rollback from step {bad_step}"):
+        with progress.heartbeat(f"restoring the newest checkpoint for the rollback from step {bad_step}"), \
+                self.ledger.phase("restore"):
             restored = self.checkpointer.restore(self.trainer.abstract_state, self.batches) \
                 if self.checkpointer is not None else None
         restored = restored if restored is None else self.trainer.to_run(restored)
@@ -255,6 +273,7 @@ class TrainLoop:
         say(f"rollback: step {bad_step} was not finite ({self.guard.count} of max_nonfinite_steps="
             f"{self.guard.limit}); back at step {good}, skipping the {bad_step - good} batches after it")
         self.last_time, self.last_step, self.rolled_back = time.perf_counter(), good, True
+        self.ledger.loop(good)  # the steps after it were trained for nothing
         self.state = restored
         return good
 
@@ -277,6 +296,11 @@ class TrainLoop:
         marked failed). A run stopped for cause or by bad data lets the saves under way finish (they hold
         good states) and leaves no run directory it made and did not use."""
         getattr(self.batches, "close", lambda: None)()  # its reading thread
+        if failure is not None:
+            try:
+                self.ledger.end("failed")
+            except errors.RunError:  # the ledger cannot be written either: the failure under way says enough
+                pass
         if self.profiler is not None:
             self.profiler.abandon()  # a failure inside the traced steps
         if self.preemption is not None:
@@ -306,6 +330,8 @@ class TrainLoop:
             where = f"checkpoint saved at step {last}; rerun the same command to resume" \
                 if self.checkpointer is not None else "checkpointing is off, nothing saved"
             say(f"stopped by {self.preemption.name} after step {last}: {where}")
+            if self.goodput is not None:
+                say(goodput.line(self.goodput))
             return {"losses": history, "state": state, "preempted": True, "eval_losses": self.eval_history}
         elapsed = time.perf_counter() - self.t_start
         if not history:
@@ -313,5 +339,7 @@ class TrainLoop:
                 f"are in {self.run_dir} (raise steps to train on)")
             return {"losses": history, "state": state}
         say(f"done: {last} steps in {elapsed:.1f} s, final loss {history[-1]:.4f}{skipped}; outputs in {self.run_dir}")
+        if self.goodput is not None:
+            say(goodput.line(self.goodput))
         return {"losses": history, "state": state, "eval_losses": self.eval_history, "nonfinite_steps": count}
 
