@@ -44,7 +44,8 @@ def test_a_missing_wandb_is_one_line_naming_the_extra(capsys, tmp_path, monkeypa
 ])
 def test_each_backend_writes_only_its_files(backends, files, train_tiny, tmp_path):
     train_tiny(f"metrics_backends={backends}", "steps=2", n_devices=1)
-    written = {p.name for p in (tmp_path / "tiny").iterdir()} - {"config.yml", "starts.jsonl"}
+    # the run's records, whatever the backends: its config, its starts, its goodput ledger
+    written = {p.name for p in (tmp_path / "tiny").iterdir()} - {"config.yml", "starts.jsonl", "goodput.jsonl"}
     assert written == files
 
 
