@@ -140,6 +140,7 @@ LONG = {
     "tests/test_multiprocess.py::test_checkpoints_move_between_two_processes_and_one": 68,
     "tests/test_goodput.py::test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_killed": 81,
     "tests/test_checkpoint.py::test_kill_9_at_random_moments_resumes_to_the_same_params": 64,
+    "tests/test_local_tier.py::test_a_replaced_host_gets_its_local_shards_from_a_peer": 50,
     "tests/test_cli.py::test_ctrl_c_in_a_terminal_stops_every_process_at_one_saved_step": 60,
     "tests/test_data.py::test_bad_inputs_name_the_file": 58,
     "tests/test_multiprocess.py::test_sigterm_to_one_process_stops_both_at_one_saved_step": 55,

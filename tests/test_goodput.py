@@ -129,18 +129,19 @@ def test_the_launcher_refuses_a_bad_restart_count():
 @pytest.mark.slow
 def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_killed(tmp_path):
     """kill -9 of a random process of the job (a supervisor or its training child) at random steps, three
-    times: the launcher stops the rest and starts the job again each time; it ends by itself with the params
-    of a run never killed, and the ledger's lost steps are the steps trained twice."""
+    times: the launcher stops the rest and starts the job again each time, from the newest local copy; it ends
+    by itself with the params of a run never killed, and the ledger's lost steps are the steps trained twice."""
     env = dict(os.environ, MAXTRAIN_LOG_DIR=str(tmp_path / "logs"), MAXTRAIN_DEVICES_PER_PROCESS="4",
                PYTHON=sys.executable)
-    steps, period = 24, 4
+    steps, period = 24, 4  # local copies every 4 steps, persistent ones every 20
     args = [TINY, f"base_output_directory={tmp_path}", f"steps={steps}", "log_period=1", "enable_checkpointing=true",
-            f"checkpoint_period={period}", "ici_fsdp_parallelism=4", "dcn_data_parallelism=2"]
+            "checkpoint_period=20", "ici_fsdp_parallelism=4", "dcn_data_parallelism=2"]
+    tiers = [f"local_checkpoint_directory={tmp_path / 'local'}", f"local_checkpoint_period={period}"]
     reference = subprocess.run([LAUNCH, "2", *args, "run_name=reference"], capture_output=True, text=True,
                                env=env, cwd=TESTS.parent, timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
     t0 = time.time()
-    proc = subprocess.Popen([LAUNCH, "--max-restarts", "5", "2", *args, "run_name=chaos"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([LAUNCH, "--max-restarts", "5", "2", *args, *tiers, "run_name=chaos"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=TESTS.parent, start_new_session=True)
     output, rng, kills = Output(proc), random.Random(0), 0
 
@@ -179,6 +180,8 @@ def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_kille
     assert len(restarts) == 3 and all(re.fullmatch(r"launch_local: process [01] exited with code \d+; restart "
                                                    r"[123] of 5: the whole job starts again", x) for x in restarts), err
     assert lines[-2].startswith(f"done: {steps} steps") and lines[-1].startswith("goodput ")
+    resumes = [x for x in lines if x.startswith("resumed from ")]
+    assert resumes and all(" of the local tier " in x for x in resumes), resumes
     run = tmp_path / "chaos"
     chaos, reference = (saved_arrays(d / "checkpoints" / str(steps) / "state") for d in (run, tmp_path / "reference"))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(chaos["params"]), jax.tree.leaves(

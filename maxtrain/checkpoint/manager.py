@@ -15,6 +15,11 @@ not Orbax's: old steps are deleted only once the newest save is known complete, 
 skips rejected steps (moved aside to `<step>.untrusted`). A failed save ends the run with one line naming
 the path and the OS error.
 
+A second, local tier (local.py: each process's shards on its own disk, every local_checkpoint_period
+steps) holds the same things. restore() is the one place that decides which step of which tier a start
+or a rollback goes back to: the newest step not rejected that reads and verifies, from either tier (the
+local copy first: it is faster to read).
+
 Start-up order (as MaxText): resume this run's latest checkpoint; else load_full_state_path;
 else load_parameters_path (fresh optimizer); else fresh init.
 """
@@ -36,10 +41,11 @@ from maxtrain.config.load import Config, defaults
 
 from maxtrain.config.keys import MODEL_TRAINING_KEYS, PRESET_KEYS
 from maxtrain.checkpoint.digest import Corrupt, digest, json_sha256, leaf_signature, verify
+from maxtrain.checkpoint import local as local_lib
 from maxtrain.checkpoint import orbax_quiet
 from maxtrain.runtime import pathways
 from maxtrain.runtime import storage
-from maxtrain.runtime.errors import NonFiniteState, RunError, UserError
+from maxtrain.runtime.errors import ConfigError, NonFiniteState, RunError, UserError
 from maxtrain.checkpoint.trust import Trust
 
 log = logging.getLogger("maxtrain")
@@ -159,20 +165,44 @@ class Checkpointer:
         self._unconfirmed: int | None = None  # a save started but not yet known complete
         self._save_started = 0.0
         self.trust = Trust(self.directory, c.loss_spike_factor)
+        self.local = None
+        if c.local_checkpoint_directory:
+            try:
+                self.local = local_lib.LocalTier(Path(c.local_checkpoint_directory).absolute(), c.run_name,
+                                                 c.local_checkpoint_period)
+            except OSError as e:
+                raise ConfigError("local_checkpoint_directory", f"cannot write {c.local_checkpoint_directory}: "
+                                  f"{os_error_text(e)}") from None
+        self.resumed_line = ""  # what restore() restored, from which tier, and why
 
-    def due(self, step: int) -> bool:
+    def persistent_due(self, step: int) -> bool:
         """Every checkpoint_period steps, and a wsd schedule's last step before its decay (where an extended
         run goes on from). (Orbax's own schedule would also save a run's first step.)"""
         return step % self.config.checkpoint_period == 0 or step == self.also_at
 
-    def save(self, step: int, state, data_state: dict) -> None:
-        """Starts saving `step` (the loop decides when); returns once device buffers are copied."""
-        self._confirm()
+    def due(self, step: int) -> bool:
+        return self.persistent_due(step) or (self.local is not None and self.local.due(step))
+
+    def save(self, step: int, state, data_state: dict, final: bool = False) -> None:
+        """Starts saving `step` (the loop decides when) to the tiers due, the persistent one if `final` (a
+        preemption, the last step); returns once device buffers are copied."""
+        persistent = final or self.persistent_due(step)
+        if persistent:
+            self._confirm()
         started = time.perf_counter()  # the checksums (a copy of the state to the host) are part of the save
         entries, finite = digest(state)
         if not finite:  # finite gradients overflowed the parameters: never write such a state
             raise NonFiniteState(f"step {step}: the parameters or optimizer state hold non-finite values")
         record = {"version": DIGEST_VERSION, "leaves": entries, "data_sha256": json_sha256(data_state)}
+        if self.local is not None and self.local.due(step):
+            self._local_failed(self.local.wait())
+            self.local.save(step, state, data_state, record, keep={self.trust.newest_trusted(self.local.steps())})
+        if not persistent:
+            try:
+                self.trust.saved(step)
+            except OSError as e:
+                raise self._verdicts_failed(e) from None
+            return
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=ocp.args.JsonSave(data_state),
                                   model=ocp.args.JsonSave(model_signature(self.config)),
@@ -203,9 +233,19 @@ class Checkpointer:
         return f"last trusted checkpoint: step {good} in {self.directory}" if good is not None else \
             "no trusted checkpoint yet"
 
+    def _local_failed(self, why: str | None) -> None:
+        """A local save that failed (a full RAM disk): this process writes no more local copies; the run and
+        the persistent tier go on."""
+        if why is not None:
+            print(f"warning: process {jax.process_index()}: a local checkpoint could not be written to "
+                  f"{self.local.root}: {why}; this process keeps no more local copies in this run (the "
+                  f"persistent tier goes on)", flush=True)
+
     def poll(self) -> None:
         """Between steps: a background save that failed ends the run now, not at the next save.
         (One process only: asking Orbax whether a save is in progress is a barrier across processes.)"""
+        if self.local is not None and not self.local.writing():
+            self._local_failed(self.local.wait())
         if self._unconfirmed is not None and jax.process_count() == 1 and not self.manager.is_saving_in_progress():
             self._confirm()
 
@@ -255,39 +295,63 @@ class Checkpointer:
         doomed = [s for s in (steps[:-keep] if keep else []) if s != trusted]
         for step in doomed:
             self.manager.delete(step)
-        if doomed:
-            self._forget(doomed)
+        held = set(self.manager.all_steps()) | set(self.local.steps() if self.local is not None else [])
+        # verdicts of steps neither tier holds any more (older than all held: not a local save in flight)
+        stale = [s for s in (*self.trust.trusted, *self.trust.rejected) if s < min(held, default=0)]
+        if doomed or stale:
+            self._forget([*doomed, *stale])
 
     def wait(self) -> None:
         """Blocks until the save in flight is durable (SaveError if it failed)."""
         self._confirm()
 
+    def persisted(self, step: int) -> bool:
+        return step in self.manager.all_steps()
+
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = [*self.manager.all_steps(), *(self.local.steps() if self.local is not None else [])]
+        return max(steps, default=None)
 
     def close(self) -> None:
         """Waits until every save is durable; raises SaveError if the last one failed."""
         try:
+            if self.local is not None:
+                self._local_failed(self.local.wait())
             self._confirm()
         finally:
             self.manager.close()
 
     def restore(self, abstract_state, batches):
-        """Resume from the newest step that reads and verifies: returns the state and puts `batches` (the
-        data iterator) back at its saved position; None if the run has no checkpoint. Unusable newer
-        steps are reported and moved aside; if no step is usable, a CheckpointError lists why."""
+        """Goes back to the newest step, of either tier, that is not rejected and reads and verifies: returns
+        the state and puts `batches` (the data iterator) back at its saved position; None if the run has no
+        checkpoint. Says which step of which tier, and why (`resumed_line`). Unusable newer steps are
+        reported and moved aside; if no step is usable, a CheckpointError lists why."""
         self._confirm()
-        unusable, untrusted = [], []
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        local = {}
+        if self.local is not None:
+            self._local_failed(self.local.wait())
+            local = local_lib.holders(self.local)
+        persistent = set(self.manager.all_steps())
+        unusable, untrusted, local_unusable = [], [], []
+        for step in sorted(persistent | set(local), reverse=True):
             if self.trust.verdict(step) == "rejected":
                 untrusted.append(step)
                 continue
-            try:
-                state, data_state = self._restore_step(step, abstract_state)
-            except Corrupt as e:
-                unusable.append((step, str(e)))
+            restored, tier = None, None
+            if step in local:
+                try:
+                    restored, tier = self._restore_local(step, local[step], abstract_state), "local"
+                except Corrupt as e:
+                    local_unusable.append((step, str(e)))
+            if restored is None and step in persistent:
+                try:
+                    restored, tier = self._restore_step(step, abstract_state) + ("",), "persistent"
+                except Corrupt as e:
+                    unusable.append((step, str(e)))
+            if restored is None:
                 continue
-            self._set_aside(untrusted, unusable, f"resuming from step {step} instead")
+            state, data_state, peers = restored
+            self._set_aside(untrusted, unusable, local_unusable, f"resuming from step {step} instead")
             try:
                 batches.set_state(data_state)
             except Exception as e:  # saved by another kind of input pipeline
@@ -295,20 +359,72 @@ class Checkpointer:
                                       f"not fit this config's data ({str(e) or type(e).__name__}); resume with the "
                                       f"data it was saved with, or use a new run_name") from None
             self.trust.resumed(step)
+            self.resumed_line = self._resumed(step, tier == "local", persistent, local_unusable, peers)
             return state
-        if unusable:
-            why = "; ".join(f"step {s}: {w}" for s, w in unusable)
+        if unusable or local_unusable:
+            why = "; ".join([*(f"step {s}: {w}" for s, w in unusable),
+                             *(f"local step {s}: {w}" for s, w in local_unusable)])
             raise CheckpointError(f"{self.directory}: no usable checkpoint ({why}); move the directory away to "
                                   f"start afresh")
-        self._set_aside(untrusted, [], "starting from the beginning")
+        self._set_aside(untrusted, [], [], "starting from the beginning")
         return None
 
-    def _set_aside(self, untrusted: list[int], unusable: list[tuple[int, str]], then: str) -> None:
+    def _resumed(self, step: int, from_local: bool, persistent: set[int], local_unusable, peers: str) -> str:
+        """The line that says what a start restored, from which tier, and why that one."""
+        if self.local is None:
+            return f"resumed from {self.directory}/{step}"
+        newest = max(persistent, default=None)
+        if from_local:
+            where = self.local.root.parent / ("process_*" if jax.process_count() > 1 else self.local.root.name)
+            why = ("the persistent tier holds it too; the local copy is faster to read" if step in persistent else
+                   f"newer than the persistent tier's newest step, {newest}" if newest is not None else
+                   "the persistent tier has no step yet")
+            return f"resumed from step {step} of the local tier ({where}/{step}): {why}{peers}"
+        why = "; ".join(f"the local tier's step {s} is unusable ({w})" for s, w in local_unusable) or \
+            "the local tier holds no newer step"
+        return f"resumed from step {step} of the persistent tier ({self.directory}/{step}): {why}"
+
+    def _restore_local(self, step: int, holders: list[int], abstract_state):
+        """(state, data position, a note on peers) from the local tier's `step`; Corrupt (the same on every
+        process) if it cannot be had: missing or damaged on some processes whose shards no other process
+        holds, another mesh, or a whole that does not match its digest."""
+        me, meta, shards, why = jax.process_index(), None, None, "it has no copy"
+        if me in holders:
+            try:
+                meta = self.local.read_meta(step)
+                shards = self.local.read_shards(step, meta, abstract_state)
+            except Corrupt as e:
+                why, meta = str(e), None
+        failing = _processes_failing(shards is not None)
+        if len(failing) == jax.process_count():
+            raise Corrupt(why if jax.process_count() == 1 else f"no process can read it (process {me}: {why})")
+        meta = local_lib.share(meta, shards is not None)
+        state = local_lib.assemble(shards, abstract_state)
+        if failing:
+            state = local_lib.fill_from_replicas(state)
+        try:
+            verify(state, meta["digest"])
+            if json_sha256(meta["data"]) != meta["digest"].get("data_sha256"):
+                raise Corrupt("its data position does not match its checksum")
+        except Corrupt as e:
+            missing = f"processes {failing} could not read their copies and the mesh holds no replica of their " \
+                      f"shards on another process; " if failing else ""
+            raise Corrupt(f"{missing}{e}") from None
+        if failing and shards is None and me in holders:
+            self.local.set_aside(step, "unusable")  # damaged here: the state came from the peers
+        peers = f"; process{'es' * (len(failing) > 1)} {', '.join(map(str, failing))} could not read {'their' if len(failing) > 1 else 'its'} " \
+                f"copy ({why if me in failing else 'missing or damaged'}): the shards came from other processes' replicas" if failing else ""
+        return state, meta["data"], peers
+
+    def _set_aside(self, untrusted: list[int], unusable: list[tuple[int, str]], local_unusable, then: str) -> None:
         """Moves rejected and damaged newer steps out of the run (never deleted), one line for each kind."""
         say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+        persistent = set(self.manager.all_steps())
         if untrusted:
             reason = self.trust.rejected[untrusted[-1]]
-            moved = [self._move_aside(s, "untrusted").name for s in untrusted]
+            moved = [self._move_aside(s, "untrusted").name for s in untrusted if s in persistent]
+            if self.local is not None:
+                moved += [f"local {p.name}" for s in untrusted if (p := self.local.set_aside(s, "untrusted"))]
             many = len(untrusted) > 1
             say(f"warning: checkpoint{'s' * many} {', '.join(map(str, sorted(untrusted)))} in {self.directory} "
                 f"{'are' if many else 'is'} not trusted (step {untrusted[-1]}: {reason}); {then} (kept aside as "
@@ -317,11 +433,17 @@ class Checkpointer:
             moved = self._move_aside(bad)
             say(f"warning: checkpoint {self.directory / str(bad)} is unusable ({why}); {then} "
                 f"(moved to {moved.name})", flush=True)
+        for bad, why in local_unusable:
+            self.local.set_aside(bad, "unusable")
+            say(f"warning: local checkpoint {bad} ({self.local.root.parent}) is unusable ({why}); {then} (each "
+                f"process's copy moved to {bad}.unusable)", flush=True)
 
     def set_aside_after(self, step: int, why: str, then: str) -> None:
         """Moves the steps after `step` out of the run (kept as `<step>.<why>`), if `step` is saved: the run
         resumes there (a wsd run extended goes back to its last step before the decay)."""
         steps = self.manager.all_steps()
+        if step in steps and self.local is not None:
+            self.local.drop_after(step)
         later = sorted(s for s in steps if s > step)
         if step not in steps or not later:
             return

@@ -91,6 +91,7 @@ def validate(c: dict[str, Any]) -> None:
     for key in ("checkpoint_period", "max_num_checkpoints_to_keep"):
         if c[key] < (1 if key == "checkpoint_period" else 0):
             raise ConfigError(key, "must be a positive integer" if key == "checkpoint_period" else "must be >= 0")
+    _validate_local_tier(c)
     if not 0 <= c["eval_split_fraction"] < 1:
         raise ConfigError("eval_split_fraction", "must be in [0, 1)")
     if c["eval_interval"] < 0:
@@ -134,6 +135,26 @@ def validate(c: dict[str, Any]) -> None:
         raise ConfigError("top_k", f"{c['top_k']} exceeds vocab_size={c['vocab_size']}")
     _validate_sampling(c)
     _validate_family(c)
+
+
+def _validate_local_tier(c) -> None:
+    local, period = c["local_checkpoint_directory"], c["local_checkpoint_period"]
+    if period < 0:
+        raise ConfigError("local_checkpoint_period", "must be >= 0")
+    if not local:
+        if period:
+            raise ConfigError("local_checkpoint_period", "needs local_checkpoint_directory (a RAM disk or local "
+                              "SSD on every host, e.g. /mnt/ramdisk/ckpt)")
+        return
+    if "://" in local:
+        raise ConfigError("local_checkpoint_directory", f"{local}: must be a path on each host's own disk (the "
+                          "persistent tier, base_output_directory, is the one for gs://)")
+    if not period:
+        raise ConfigError("local_checkpoint_directory", "needs local_checkpoint_period (save locally every this "
+                          "many steps, fewer than checkpoint_period)")
+    if not c["enable_checkpointing"]:
+        raise ConfigError("local_checkpoint_directory", "needs enable_checkpointing=true (the local tier is the "
+                          "second of two)")
 
 
 def _validate_attention_variants(c: dict[str, Any]) -> None:

@@ -70,6 +70,7 @@ class TrainLoop:
                 self.start()
                 self.loop()
                 self.end_of_data()
+                self.persist_last()
             if self.checkpointer is not None:
                 with progress.heartbeat("waiting for the last checkpoint to be written"), \
                         self.ledger.phase("checkpoint"):
@@ -223,7 +224,8 @@ class TrainLoop:
         try:
             with progress.heartbeat(f"saving checkpoint {step_done}"), self.ledger.phase("checkpoint"):
                 # the data state is gathered only here
-                self.checkpointer.save(step_done, self.trainer.to_saved(self.state), self.batches.get_state())
+                self.checkpointer.save(step_done, self.trainer.to_saved(self.state), self.batches.get_state(),
+                                       final=self.preempted or step_done == self.c.steps or self.exhausted)
         except errors.NonFiniteState as e:
             say(f"{e}: not saved")
             return self.guard.on_bad_step(step_done, self.last_trusted())
@@ -289,6 +291,13 @@ class TrainLoop:
                 self.save(last)  # a non-finite state is not saved; the run ends on the data either way
             if self.evals and c.eval_interval and self.evaluated_step != last:
                 self.evaluate(last)
+
+    def persist_last(self) -> None:
+        """A start that resumed at its last step from a local copy (the job died before its last save): the
+        persistent tier gets that step too."""
+        last = int(self.state.step)
+        if self.checkpointer is not None and last == self.c.steps and not self.checkpointer.persisted(last):
+            self.save(last)
 
     def clean_up(self, failure: BaseException | None) -> None:
         """Every way out: the trace stopped, the signal handlers put back (only now: a second SIGTERM during

@@ -16,7 +16,7 @@ def initial_state(c: config_lib.Config, trainer: step_lib.Trainer, checkpointer,
         with progress.heartbeat(f"reading the newest checkpoint in {checkpointer.directory}"):
             state = checkpointer.restore(trainer.abstract_state, batches)
         if state is not None:
-            say(f"resumed from {checkpointer.directory}/{int(state.step)}")
+            say(checkpointer.resumed_line)
             return trainer.to_run(state)
     if c.load_full_state_path:
         from maxtrain.checkpoint import loading as ckpt_loading  # orbax loads only where needed: see TrainLoop.run
