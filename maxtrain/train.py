@@ -75,6 +75,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
     run_dir, created = run_dir_lib.make(c)
     ledger = goodput.Ledger(run_dir, write=jax.process_index() == 0)  # this start's time, by cause
     say(run_record.start_lines(c, run_dir))
+    if advice := goodput.start_advice(ledger, c):  # once the job has failed: how often to save
+        say(advice)
     # XLA compiles the step on a thread (the GIL is released) while the state is initialized or restored;
     # the tracing before it stays on this thread (Trainer.lower_train_step says why).
     t_compile, compiler = time.perf_counter(), concurrent.futures.ThreadPoolExecutor(1)

@@ -158,6 +158,11 @@ def test_no_effect_warnings():
     assert warnings("profiler_start_step=6") == []  # the profiler is off: the window is not a promise
     assert warnings("capacity_factor=1.25") == ["capacity_factor: 1.25 has no effect: num_experts=1 (a dense model)"]
     assert warnings(*MOE, "capacity_factor=1.25") == []
+    local = ("enable_checkpointing=true", "local_checkpoint_directory=/tmp/x", "checkpoint_period=50")
+    assert warnings(*local, "local_checkpoint_period=100") == [
+        "local_checkpoint_period: 100 has no effect: every local step is a persistent one (checkpoint_period=50); "
+        "save locally more often"]
+    assert warnings(*local, "local_checkpoint_period=10") == warnings(*local, "local_checkpoint_period=75") == []
 
 
 @pytest.mark.slow

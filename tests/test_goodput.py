@@ -62,6 +62,20 @@ def test_a_rollback_loses_the_steps_after_it_and_a_finished_run_raised_later_was
     assert parts(s) == pytest.approx(s["wall_s"])
 
 
+def test_once_the_job_has_failed_a_start_says_the_young_daly_interval():
+    first = [{"start": 0, "t": 0}, {"loop": 0, "t": 0}, *({"step": n, "s": 1.0, "wait": 0, "t": n} for n in range(1, 51)),
+             {"phase": "checkpoint", "s": 2.0, "t": 52}, *({"step": n, "s": 1.0, "wait": 0, "t": n + 2}
+                                                            for n in range(51, 101))]  # killed after step 100
+    assert goodput.interval_advice(goodput.summarize(first), "checkpoint_period", 50) is None  # no failure yet
+    s = goodput.summarize(events(*first, {"start": 200, "t": 200}))
+    assert (s["restarts"], s["saves"], s["wall_s"]) == (1, 1, 200)
+    # sqrt(2 x 2 s x 200 s) = 28.3 s of 1 s steps
+    assert goodput.interval_advice(s, "local_checkpoint_period", 10) == (
+        "goodput: 1 failure in 3.3 min (one every 3.3 min); a save holds the loop 2.00 s and a step takes 1.000 s: "
+        "the Young-Daly interval, sqrt(2 x save x time between failures), is about 28 steps "
+        "(local_checkpoint_period=10 now)")
+
+
 def test_a_line_cut_by_a_kill_is_skipped_and_the_next_start_is_on_a_line_of_its_own(tmp_path):
     (tmp_path / goodput.FILE).write_text('{"start": 0.0, "t": 0.0}\n{"loop": 0, "t": 1.0}\n{"step": 1, "s": 1')
     ledger = goodput.Ledger(tmp_path, write=True)
@@ -180,6 +194,8 @@ def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_kille
     assert len(restarts) == 3 and all(re.fullmatch(r"launch_local: process [01] exited with code \d+; restart "
                                                    r"[123] of 5: the whole job starts again", x) for x in restarts), err
     assert lines[-2].startswith(f"done: {steps} steps") and lines[-1].startswith("goodput ")
+    assert any(re.match(r"goodput: [123] failures? in .* the Young-Daly interval, .* is about \d+ steps "
+                        r"\(local_checkpoint_period=4 now\)$", x) for x in lines), lines
     resumes = [x for x in lines if x.startswith("resumed from ")]
     assert resumes and all(" of the local tier " in x for x in resumes), resumes
     run = tmp_path / "chaos"

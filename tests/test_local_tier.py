@@ -154,3 +154,60 @@ def test_a_replaced_host_gets_its_local_shards_from_a_peer(tmp_path, layout, pee
                          r"on another process; \d+ arrays differ from their checksums", out), out
     ours, reference = (saved_arrays(tmp_path / run / "checkpoints" / "9" / "state") for run in ("r", "reference"))
     assert same_bits(ours, reference)
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("truncate", r"shards\.bin ends before \.opt_state\S+'s bytes \(truncated\)"),
+    ("garbage index", "cannot read its index: UnicodeDecodeError"),
+    ("no shards", "cannot read its shards: FileNotFoundError"),
+    ("foreign index", "its index is not what maxtrain writes"),
+])
+def test_damaged_local_files_fall_back_to_the_persistent_step(tmp_path, train_tiny, capsys, damage, why):
+    train_tiny(*tiers(tmp_path, "steps=7"))
+    newest = tmp_path / "local" / "r" / "process_0" / "6"
+    shutil.rmtree(tmp_path / "r" / "checkpoints" / "7")
+    (newest.parent / "8.partial").mkdir()  # a save cut short by a kill: removed, never read
+    if damage == "truncate":
+        os.truncate(newest / "shards.bin", (newest / "shards.bin").stat().st_size // 2)
+    elif damage == "garbage index":
+        (newest / "index.json").write_bytes(b"\x00\xff garbage")
+    elif damage == "no shards":
+        (newest / "shards.bin").unlink()
+    else:
+        (newest / "index.json").write_text('{"format": 99}')
+    capsys.readouterr()
+    result = train_tiny(*tiers(tmp_path, "steps=7"))
+    out = capsys.readouterr().out
+    assert re.search(rf"resumed from step 5 of the persistent tier \(.*\): the local tier's step 6 is unusable \({why}",
+                     out), out
+    assert len(result["losses"]) == 2 and not (newest.parent / "8.partial").exists()
+    assert (newest.parent / "6.unusable").is_dir()
+
+
+def test_a_rollback_goes_back_to_the_newest_local_copy_it_trusts(tmp_path, train_tiny, monkeypatch, capsys):
+    """Batch 8 (step 9, the first on local copy 8's parameters) is poisoned: copy 8 is rejected, the rollback
+    goes back to local copy 6 and skips the batches of steps 7-9, as a run that never saw them."""
+    from test_faults import Poisoned, Skipping, stream
+    args = (*tiers(tmp_path, "steps=12", "nan_policy=rollback"), "learning_rate_schedule_steps=12")
+    args = tuple(a for a in args if a != "learning_rate_schedule_steps=9")
+    stream(monkeypatch, Poisoned, [8])
+    rolled = train_tiny(*args)
+    out = capsys.readouterr().out
+    assert "rollback: step 9 was not finite (1 of max_nonfinite_steps=10); back at step 6, skipping the 3 batches " \
+        "after it" in out, out
+    assert re.search(r"warning: checkpoint 8 in \S+ is not trusted \(step 8: step 9, the first on its parameters, was "
+                     r"not finite\); resuming from step 6 instead \(kept aside as local 8.untrusted\)", out), out
+    stream(monkeypatch, Skipping, [6, 7, 8])
+    reference = train_tiny(*(a for a in args if not a.startswith("local_checkpoint")), "run_name=reference")
+    assert rolled["losses"] == reference["losses"]  # identical, not close
+
+
+def test_local_copies_of_a_run_whose_outputs_were_deleted_are_not_resumed(tmp_path, train_tiny, capsys):
+    train_tiny(*tiers(tmp_path, "steps=7"))
+    shutil.rmtree(tmp_path / "r")  # the user deletes the run's outputs to start it afresh
+    capsys.readouterr()
+    result = train_tiny(*tiers(tmp_path, "steps=3"))
+    out = capsys.readouterr().out
+    assert len(result["losses"]) == 3 and "resumed from" not in out, out
+    assert f"warning: local checkpoint 6 ({tmp_path}/local/r) is unusable (written by an earlier run named r whose " \
+           "outputs are gone); starting from the beginning (each process's copy moved to 6.unusable)" in out, out

@@ -34,6 +34,10 @@ from jax.sharding import PartitionSpec
 
 from maxtrain.checkpoint.digest import Corrupt
 
+
+class Stale(Corrupt):
+    """A local copy of an earlier run of the same name (its outputs deleted): passed over, not an error."""
+
 FORMAT = 1
 INDEX, DATA = "index.json", "shards.bin"
 KEEP = 2          # newest local steps kept (a damaged newest one has a fallback)
@@ -169,7 +173,9 @@ class LocalTier:
                 for e in meta["shards"]:
                     f.seek(e["offset"])
                     raw = f.read(e["bytes"])
-                    if len(raw) != e["bytes"] or zlib.crc32(raw) != e["crc32"]:
+                    if len(raw) != e["bytes"]:
+                        raise Corrupt(f"{DATA} ends before {e['path']}'s bytes (truncated)")
+                    if zlib.crc32(raw) != e["crc32"]:
                         raise Corrupt(f"{e['path']}: its bytes do not match their CRC-32")
                     shape = [b - a for a, b in e["place"]]
                     out[(e["path"], json.dumps(e["place"]))] = np.frombuffer(raw, dtype=jnp.dtype(e["dtype"])).reshape(shape)

@@ -174,6 +174,16 @@ class Checkpointer:
                 raise ConfigError("local_checkpoint_directory", f"cannot write {c.local_checkpoint_directory}: "
                                   f"{os_error_text(e)}") from None
         self.resumed_line = ""  # what restore() restored, from which tier, and why
+        self._run_id: str | None = None
+
+    def run_identity(self) -> str | None:
+        """The run's first start (the first line of its starts.jsonl), hashed: a local copy holds it, so that
+        copies left on a host by an earlier run of the same name, whose outputs were deleted, are not resumed."""
+        try:
+            first = (self.directory.parent / "starts.jsonl").read_text().split("\n", 1)[0]
+        except (OSError, ValueError):
+            return None
+        return json_sha256(first)[:16] if first.strip() else None
 
     def persistent_due(self, step: int) -> bool:
         """Every checkpoint_period steps, and a wsd schedule's last step before its decay (where an extended
@@ -196,7 +206,9 @@ class Checkpointer:
         record = {"version": DIGEST_VERSION, "leaves": entries, "data_sha256": json_sha256(data_state)}
         if self.local is not None and self.local.due(step):
             self._local_failed(self.local.wait())
-            self.local.save(step, state, data_state, record, keep={self.trust.newest_trusted(self.local.steps())})
+            self._run_id = self._run_id or self.run_identity()
+            self.local.save(step, state, data_state, record | {"run": self._run_id},
+                            keep={self.trust.newest_trusted(self.local.steps())})
         if not persistent:
             try:
                 self.trust.saved(step)
@@ -332,7 +344,7 @@ class Checkpointer:
             self._local_failed(self.local.wait())
             local = local_lib.holders(self.local)
         persistent = set(self.manager.all_steps())
-        unusable, untrusted, local_unusable = [], [], []
+        unusable, untrusted, local_unusable, stale = [], [], [], 0
         for step in sorted(persistent | set(local), reverse=True):
             if self.trust.verdict(step) == "rejected":
                 untrusted.append(step)
@@ -343,6 +355,7 @@ class Checkpointer:
                     restored, tier = self._restore_local(step, local[step], abstract_state), "local"
                 except Corrupt as e:
                     local_unusable.append((step, str(e)))
+                    stale += isinstance(e, local_lib.Stale)
             if restored is None and step in persistent:
                 try:
                     restored, tier = self._restore_step(step, abstract_state) + ("",), "persistent"
@@ -361,12 +374,12 @@ class Checkpointer:
             self.trust.resumed(step)
             self.resumed_line = self._resumed(step, tier == "local", persistent, local_unusable, peers)
             return state
-        if unusable or local_unusable:
+        if unusable or len(local_unusable) > stale:
             why = "; ".join([*(f"step {s}: {w}" for s, w in unusable),
                              *(f"local step {s}: {w}" for s, w in local_unusable)])
             raise CheckpointError(f"{self.directory}: no usable checkpoint ({why}); move the directory away to "
                                   f"start afresh")
-        self._set_aside(untrusted, [], [], "starting from the beginning")
+        self._set_aside(untrusted, [], local_unusable, "starting from the beginning")
         return None
 
     def _resumed(self, step: int, from_local: bool, persistent: set[int], local_unusable, peers: str) -> str:
@@ -399,6 +412,8 @@ class Checkpointer:
         if len(failing) == jax.process_count():
             raise Corrupt(why if jax.process_count() == 1 else f"no process can read it (process {me}: {why})")
         meta = local_lib.share(meta, shards is not None)
+        if meta["digest"].get("run") != self.run_identity():
+            raise local_lib.Stale(f"written by an earlier run named {self.config.run_name} whose outputs are gone")
         state = local_lib.assemble(shards, abstract_state)
         if failing:
             state = local_lib.fill_from_replicas(state)

@@ -387,4 +387,8 @@ def no_effect_warnings(c: Mapping[str, Any]) -> list[str]:
                                 "dcn_pipeline_parallelism = 1)")
     if c["capacity_factor"] > 0 and c["num_experts"] == 1:
         warnings.append(f"capacity_factor: {c['capacity_factor']} has no effect: num_experts=1 (a dense model)")
+    local = c["local_checkpoint_period"]
+    if c["local_checkpoint_directory"] and local and local % c["checkpoint_period"] == 0:
+        warnings.append(f"local_checkpoint_period: {local} has no effect: every local step is a persistent one "
+                        f"(checkpoint_period={c['checkpoint_period']}); save locally more often")
     return warnings

@@ -143,7 +143,7 @@ def read(path) -> list[dict]:
 def summarize(events: list[dict]) -> dict:
     """The job's wall time split into productive seconds and badput by cause (CAUSES), and its restarts."""
     badput = dict.fromkeys(CAUSES, 0.0)
-    restarts, steps_lost = 0, 0
+    restarts, steps_lost, saves = 0, 0, 0
     kept: dict[int, float] = {}  # step -> productive seconds, of the steps not thrown away (yet)
     starts = _split(events)
     previous_end, previous_why = None, "done"
@@ -163,6 +163,7 @@ def summarize(events: list[dict]) -> dict:
                 cause = e["phase"] if e["phase"] in badput else "other"
                 badput[cause] += e["s"]
                 accounted += e["s"]
+                saves += cause == "checkpoint"
             elif "loop" in e:
                 if loop_at is None:
                     loop_at = e["t"]
@@ -186,7 +187,7 @@ def summarize(events: list[dict]) -> dict:
     productive = sum(kept.values())
     wall += badput["down"]
     return {"wall_s": wall, "productive_s": productive, "goodput": productive / wall if wall > 0 else 0.0,
-            "badput": badput, "restarts": restarts, "steps_lost": steps_lost, "steps": len(kept)}
+            "badput": badput, "restarts": restarts, "steps_lost": steps_lost, "steps": len(kept), "saves": saves}
 
 
 def _split(events: list[dict]) -> list[list[dict]]:
@@ -206,8 +207,34 @@ def line(summary: dict) -> str:
     parts = sorted(((s / wall, c) for c, s in summary["badput"].items() if s / wall >= 0.0005), reverse=True)
     n = summary["restarts"]
     return (f"goodput {100 * summary['goodput']:.1f}% over {n} restart{'s' * (n != 1)}"
-            f" ({summary['wall_s']:.1f} s, {summary['steps_lost']} steps lost)"
+            f" ({summary['wall_s']:.1f} s, {summary['steps_lost']} step{'s' * (summary['steps_lost'] != 1)} lost)"
             + (": " + ", ".join(f"{NAMES.get(c, c)} {100 * f:.1f}%" for f, c in parts) if parts else ""))
+
+
+def interval_advice(summary: dict, key: str, period: int) -> str | None:
+    """Once the job has failed: its mean time between failures M, what a save holds the loop (d), and the
+    Young-Daly checkpoint interval sqrt(2 d M) in steps, against the period `key` sets now."""
+    n, steps, saves = summary["restarts"], summary["steps"], summary["saves"]
+    if not (n and steps and saves and summary["productive_s"] > 0):
+        return None
+    mtbf, save = summary["wall_s"] / n, summary["badput"]["checkpoint"] / saves
+    step = summary["productive_s"] / steps
+    best = max(round((2 * save * mtbf) ** 0.5 / step), 1)
+    return (f"goodput: {n} failure{'s' * (n != 1)} in {summary['wall_s'] / 60:.1f} min (one every {mtbf / 60:.1f} "
+            f"min); a save holds the loop {save:.2f} s and a step takes {step:.3f} s: the Young-Daly interval, "
+            f"sqrt(2 x save x time between failures), is about {best} steps ({key}={period} now)")
+
+
+def start_advice(ledger: Ledger, c) -> str | None:
+    """interval_advice for the job so far, at a start (process 0; None without checkpoints or failures)."""
+    if ledger.file is None or not c.enable_checkpointing:
+        return None
+    try:
+        summary = summarize(read(ledger.path))
+    except OSError:
+        return None
+    key = "local_checkpoint_period" if c.local_checkpoint_directory else "checkpoint_period"
+    return interval_advice(summary, key, c[key])
 
 
 def metrics(summary: dict) -> dict[str, float]:
