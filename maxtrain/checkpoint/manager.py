@@ -320,10 +320,6 @@ class Checkpointer:
     def persisted(self, step: int) -> bool:
         return step in self.manager.all_steps()
 
-    def latest_step(self) -> int | None:
-        steps = [*self.manager.all_steps(), *(self.local.steps() if self.local is not None else [])]
-        return max(steps, default=None)
-
     def close(self) -> None:
         """Waits until every save is durable; raises SaveError if the last one failed."""
         try:

@@ -52,7 +52,7 @@ class TrainLoop:
         self.t_start = self.last_time = 0.0  # last_time, last_step: where the current step-time window began
         self.last_step = 0
         self.recent_seconds = None  # the last window's time per step, for the ETA
-        self.saved_step = self.evaluated_step = None
+        self.evaluated_step = None
         self.preempted = self.exhausted = self.rolled_back = False
         self.history, self.eval_history = [], []
         self.data_watch, self.mixture_watch = DataWatch(batches, c), MixtureWatch(batches, c)
@@ -124,7 +124,6 @@ class TrainLoop:
         self.t_start = time.perf_counter()
         self.first_step = int(self.state.step)
         self.last_time, self.last_step = self.t_start, self.first_step
-        self.saved_step = self.checkpointer.latest_step() if self.checkpointer is not None else None
         self.ledger.loop(self.first_step)
 
     def loop(self) -> None:
@@ -231,7 +230,6 @@ class TrainLoop:
             return self.guard.on_bad_step(step_done, self.last_trusted())
         finally:
             self.last_time += time.perf_counter() - t0  # keep the save out of the step-time window
-        self.saved_step = step_done
         return None
 
     def evaluate(self, step_done: int) -> None:
@@ -287,7 +285,7 @@ class TrainLoop:
                                  f"{c.max_target_length} tokens (num_epochs={c.num_epochs}): add data or use "
                                  f"num_epochs=-1")
         if self.exhausted and last > self.first_step:
-            if self.checkpointer is not None and self.saved_step != last:
+            if self.checkpointer is not None and not self.checkpointer.persisted(last):
                 self.save(last)  # a non-finite state is not saved; the run ends on the data either way
             if self.evals and c.eval_interval and self.evaluated_step != last:
                 self.evaluate(last)
