@@ -98,8 +98,10 @@ class LocalTier:
         self.wait()
         if self.failed is not None:
             return
-        arrays = [(jax.tree_util.keystr(path), str(x.dtype), list(x.shape), _unique_shards(x))
-                  for path, x in jax.tree_util.tree_leaves_with_path(state)]
+        leaves = jax.tree_util.tree_leaves_with_path(state)
+        for _, x in leaves:
+            x.copy_to_host_async()  # every transfer under way at once, then each one read
+        arrays = [(jax.tree_util.keystr(path), str(x.dtype), list(x.shape), _unique_shards(x)) for path, x in leaves]
         meta = {"format": FORMAT, "step": step, "mesh": _mesh_record(state), "data": data_state, "digest": record}
         self._thread = threading.Thread(target=self._write, args=(step, arrays, meta, keep), daemon=True,
                                         name=f"maxtrain-local-save-{step}")
@@ -172,13 +174,13 @@ class LocalTier:
             with open(self.root / str(step) / DATA, "rb") as f:
                 for e in meta["shards"]:
                     f.seek(e["offset"])
-                    raw = f.read(e["bytes"])
-                    if len(raw) != e["bytes"]:
+                    raw = np.fromfile(f, np.uint8, e["bytes"])  # writable and aligned: a CPU device can alias it
+                    if raw.nbytes != e["bytes"]:
                         raise Corrupt(f"{DATA} ends before {e['path']}'s bytes (truncated)")
                     if zlib.crc32(raw) != e["crc32"]:
                         raise Corrupt(f"{e['path']}: its bytes do not match their CRC-32")
                     shape = [b - a for a, b in e["place"]]
-                    out[(e["path"], json.dumps(e["place"]))] = np.frombuffer(raw, dtype=jnp.dtype(e["dtype"])).reshape(shape)
+                    out[(e["path"], json.dumps(e["place"]))] = raw.view(jnp.dtype(e["dtype"])).reshape(shape)
         except OSError as e:
             raise Corrupt(f"cannot read its shards: {type(e).__name__}") from None
         except (KeyError, TypeError, ValueError) as e:
