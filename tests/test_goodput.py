@@ -210,3 +210,38 @@ def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_kille
     assert parts(s) == pytest.approx(s["wall_s"], rel=1e-3) and s["badput"]["other"] <= 0.02 * s["wall_s"]
     assert abs(s["wall_s"] - wall) <= 0.02 * wall, (s, wall)
     assert f"{100 * s['goodput']:.1f}% over 3 restarts" in lines[-1]
+
+
+def test_the_checkpoint_interval_advice_from_the_saves_and_the_expected_failures(tiny_config):
+    c = tiny_config("enable_checkpointing=true", "local_checkpoint_directory=/tmp/x", "local_checkpoint_period=10",
+                    "checkpoint_period=500")
+    lines = goodput.interval_lines(c, {"local": 0.4, "persistent": 1.5}, restart_s=95, step_s=1.0)
+    # 8 chips: 50,000 / 8 = 6,250 h between failures; sqrt(2 x 0.4 s x 22.5e6 s) = 4,243 s of 1 s steps
+    assert lines[0] == (
+        "checkpoint intervals: a failure every 6.25e+03 h expected (8 chips at one failure per 50,000 chip-hours; "
+        "failure_interval_hours sets it); a local save holds the loop 0.40 s, a persistent save holds the loop 1.50 s, "
+        "a restart takes 95 s, a step 1.000 s: Young-Daly's interval is 4243 steps for the local tier "
+        "(local_checkpoint_period=10) and 8216 steps for the persistent tier (checkpoint_period=500); expected "
+        "goodput 95.7%")
+    assert lines[1:] == [
+        "warning: local_checkpoint_period=10 is 0.0024x Young-Daly's 4243 steps: saves cost more than the failures "
+        "they guard against",
+        "warning: checkpoint_period=500 is 0.061x Young-Daly's 8216 steps: saves cost more than the failures they "
+        "guard against"]
+    # a pod's rate, set: one failure an hour; persistent only: 2 s / 50 s + (25 s + 60 s) / 3600 s lost = 6.4%
+    c = tiny_config("enable_checkpointing=true", "checkpoint_period=100", "failure_interval_hours=1")
+    lines = goodput.interval_lines(c, {"persistent": 2.0}, restart_s=60, step_s=0.5)
+    assert lines == ["checkpoint intervals: a failure every 1 h expected (failure_interval_hours); a persistent save "
+                     "holds the loop 2.00 s, a restart takes 60 s, a step 0.500 s: Young-Daly's interval is 240 steps "
+                     "for the persistent tier (checkpoint_period=100); expected goodput 93.6%"]
+
+
+def test_a_run_says_the_intervals_once_its_saves_are_measured(tmp_path, train_tiny, capsys):
+    train_tiny("enable_checkpointing=true", "steps=8", "checkpoint_period=5", "failure_interval_hours=0.5",
+               f"local_checkpoint_directory={tmp_path / 'local'}", "local_checkpoint_period=2")
+    out = capsys.readouterr().out
+    said = [x for x in out.splitlines() if x.startswith("checkpoint intervals: ")]
+    assert len(said) == 1 and re.match(r"checkpoint intervals: a failure every 0.5 h expected \(failure_interval_hours\); "
+                                       r"a local save holds the loop [\d.]+ s, a persistent save holds the loop [\d.]+ "
+                                       r"s, .*local_checkpoint_period=2.*checkpoint_period=5", said[0]), out
+    assert "warning: local_checkpoint_period=2 is " in out  # a few ms per save against 30 minutes

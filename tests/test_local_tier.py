@@ -211,3 +211,24 @@ def test_local_copies_of_a_run_whose_outputs_were_deleted_are_not_resumed(tmp_pa
     assert len(result["losses"]) == 3 and "resumed from" not in out, out
     assert f"warning: local checkpoint 6 ({tmp_path}/local/r) is unusable (written by an earlier run named r whose " \
            "outputs are gone); starting from the beginning (each process's copy moved to 6.unusable)" in out, out
+
+
+def test_a_local_copy_of_another_model_or_optimizer_is_one_line(tmp_path, train_tiny):
+    from maxtrain.checkpoint.manager import CheckpointError
+    train_tiny(*tiers(tmp_path, "steps=7"))
+    shutil.rmtree(tmp_path / "r" / "checkpoints")  # only the local copies are left to resume from
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/local/r: local step 6: model shape differs: base_mlp_dim "
+                       r"\(checkpoint 128, config 192\); run_name=r is another model's run"):
+        train_tiny(*tiers(tmp_path, "steps=7", "base_mlp_dim=192"))
+    with pytest.raises(CheckpointError, match=r"local step 6: \.opt_state\S+ is float32\[256, 64\] in the checkpoint, "
+                       r"bfloat16\[256, 64\] in this config \(an optimizer, dtype or shape change\); cannot resume"):
+        train_tiny(*tiers(tmp_path, "steps=7", "mu_dtype=bfloat16"))
+
+
+def test_a_local_directory_gone_at_restart_resumes_from_the_persistent_tier(tmp_path, train_tiny, capsys):
+    train_tiny(*tiers(tmp_path, "steps=7"))
+    shutil.rmtree(tmp_path / "local")  # the host's RAM disk went with its VM
+    capsys.readouterr()
+    train_tiny(*tiers(tmp_path, "steps=9"))
+    assert f"resumed from step 7 of the persistent tier ({tmp_path}/r/checkpoints/7): the local tier holds no newer " \
+           "step\n" in capsys.readouterr().out

@@ -175,6 +175,8 @@ class Checkpointer:
                                   f"{os_error_text(e)}") from None
         self.resumed_line = ""  # what restore() restored, from which tier, and why
         self._run_id: str | None = None
+        self.blocked: dict[str, float] = {}  # tier -> the least a save held the loop (not the first: it compiles)
+        self._saves = 0
 
     def run_identity(self) -> str | None:
         """The run's first start (the first line of its starts.jsonl), hashed: a local copy holds it, so that
@@ -204,11 +206,15 @@ class Checkpointer:
         if not finite:  # finite gradients overflowed the parameters: never write such a state
             raise NonFiniteState(f"step {step}: the parameters or optimizer state hold non-finite values")
         record = {"version": DIGEST_VERSION, "leaves": entries, "data_sha256": json_sha256(data_state)}
+        checksums, self._saves = time.perf_counter() - started, self._saves + 1
         if self.local is not None and self.local.due(step):
+            t0 = time.perf_counter()
             self._local_failed(self.local.wait())
             self._run_id = self._run_id or self.run_identity()
-            self.local.save(step, state, data_state, record | {"run": self._run_id},
+            self.local.save(step, state, data_state, record | {"run": self._run_id,
+                                                               "model": model_signature(self.config)},
                             keep={self.trust.newest_trusted(self.local.steps())})
+            self._held("local", checksums + time.perf_counter() - t0)
         if not persistent:
             try:
                 self.trust.saved(step)
@@ -220,10 +226,12 @@ class Checkpointer:
                                   model=ocp.args.JsonSave(model_signature(self.config)),
                                   digest=ocp.args.JsonSave(record))
         self._save_started = started
+        t0 = time.perf_counter()
         try:
             self.manager.save(step, args=args, force=True)
         except Exception as e:
             raise self._failed(step, e) from None
+        self._held("persistent", checksums + time.perf_counter() - t0)
         self._unconfirmed = step
         try:
             self.trust.saved(step)
@@ -244,6 +252,10 @@ class Checkpointer:
         good = self.trust.newest_trusted(self.manager.all_steps())
         return f"last trusted checkpoint: step {good} in {self.directory}" if good is not None else \
             "no trusted checkpoint yet"
+
+    def _held(self, tier: str, seconds: float) -> None:
+        if self._saves > 1:
+            self.blocked[tier] = min(self.blocked.get(tier, seconds), seconds)
 
     def _local_failed(self, why: str | None) -> None:
         """A local save that failed (a full RAM disk): this process writes no more local copies; the run and
@@ -410,6 +422,10 @@ class Checkpointer:
         meta = local_lib.share(meta, shards is not None)
         if meta["digest"].get("run") != self.run_identity():
             raise local_lib.Stale(f"written by an earlier run named {self.config.run_name} whose outputs are gone")
+        where = f"{self.local.root.parent}: local step {step}"  # not damage: the config is another's
+        check_model(meta["digest"].get("model", {}), self.config, where, f"; run_name={self.config.run_name} is "
+                    "another model's run: choose another run_name, or leave it unset for one derived from the model")
+        check_layout(meta["digest"]["leaves"], abstract_state, where, RESUME_HINT)
         state = local_lib.assemble(shards, abstract_state)
         if failing:
             state = local_lib.fill_from_replicas(state)

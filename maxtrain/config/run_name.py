@@ -26,7 +26,7 @@ NOT_DEFINING = frozenset({
     "run_name", "base_output_directory", "steps", "learning_rate_schedule_steps", "log_period", "dry_run", "compilation_cache_dir",
     "eval_files", "eval_sources", "eval_interval", "eval_steps", "grain_worker_count", "prepared_dir", "prepare_workers",
     "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
-    "local_checkpoint_directory", "local_checkpoint_period",
+    "local_checkpoint_directory", "local_checkpoint_period", "failure_interval_hours",
     "nan_policy", "max_nonfinite_steps", "loss_spike_factor",
     "metrics_backends", "peak_tflops_per_device", "profiler", "profiler_start_step", "profiler_steps",
     "compile_topology", "compile_topology_num_slices",

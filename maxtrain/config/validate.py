@@ -138,6 +138,8 @@ def validate(c: dict[str, Any]) -> None:
 
 
 def _validate_local_tier(c) -> None:
+    if c["failure_interval_hours"] < 0:
+        raise ConfigError("failure_interval_hours", "must be >= 0 (0: 50,000 chip-hours / chips)")
     local, period = c["local_checkpoint_directory"], c["local_checkpoint_period"]
     if period < 0:
         raise ConfigError("local_checkpoint_period", "must be >= 0")

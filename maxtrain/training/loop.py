@@ -54,6 +54,7 @@ class TrainLoop:
         self.recent_seconds = None  # the last window's time per step, for the ETA
         self.evaluated_step = None
         self.preempted = self.exhausted = self.rolled_back = False
+        self.restart_s, self.advised = 0.0, False  # what this start took to its first step; intervals said
         self.history, self.eval_history = [], []
         self.data_watch, self.mixture_watch = DataWatch(batches, c), MixtureWatch(batches, c)
 
@@ -125,6 +126,7 @@ class TrainLoop:
         self.first_step = int(self.state.step)
         self.last_time, self.last_step = self.t_start, self.first_step
         self.ledger.loop(self.first_step)
+        self.restart_s = time.time() - goodput.process_start()
 
     def loop(self) -> None:
         """Dispatches step after step; a step's metrics are read once the next is queued, unless a save, an
@@ -230,7 +232,20 @@ class TrainLoop:
             return self.guard.on_bad_step(step_done, self.last_trusted())
         finally:
             self.last_time += time.perf_counter() - t0  # keep the save out of the step-time window
+        self.advise()
         return None
+
+    def advise(self) -> None:
+        """Once every tier's save is measured (on an accelerator, or with failure_interval_hours set): how often
+        to save, from the expected time between failures (goodput.interval_lines)."""
+        c, ck = self.c, self.checkpointer
+        tiers = {"persistent"} | ({"local"} if ck.local is not None else set())
+        if self.advised or not self.recent_seconds or not tiers <= set(ck.blocked) or not (
+                c.failure_interval_hours or jax.devices()[0].platform != "cpu"):
+            return
+        self.advised = True
+        for line in goodput.interval_lines(c, ck.blocked, self.restart_s, self.recent_seconds):
+            say(line)
 
     def evaluate(self, step_done: int) -> None:
         c, t0 = self.c, time.perf_counter()
