@@ -511,8 +511,8 @@ def test_step_time_excludes_checkpoint_saves(train_tiny, tmp_path, monkeypatch):
     from maxtrain.checkpoint import manager as ckpt_lib
     save = ckpt_lib.Checkpointer.save
 
-    def slow_save(self, *args):  # a save that takes 2 s of the loop's time
-        save(self, *args)
+    def slow_save(self, *args, **kwargs):  # a save that takes 2 s of the loop's time
+        save(self, *args, **kwargs)
         time.sleep(2.0)
     monkeypatch.setattr(ckpt_lib.Checkpointer, "save", slow_save)
     train_tiny(*CKPT, "steps=6", "checkpoint_period=2", "run_name=timed")

@@ -205,7 +205,12 @@ def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_kille
     trained = [int(m.group(1)) for x in lines if (m := re.match(r"step\s+(\d+)/", x))]
     s = json.loads(subprocess.run([sys.executable, "-m", "maxtrain.goodput", str(run), "--json"], capture_output=True,
                                   text=True, timeout=60, check=True).stdout)
-    assert s["restarts"] == 3 and s["steps_lost"] == len(trained) - len(set(trained)) <= period * 3
+    # The ledger records a step as soon as its metrics are read, a moment before its line is printed: a kill in
+    # between hides that step from the printed lines (at most one a kill); the ledger's own record replays exactly.
+    recorded = [e["step"] for e in goodput.read(run / goodput.FILE) if "step" in e]
+    twice = len(trained) - len(set(trained))
+    assert s["restarts"] == 3 and s["steps_lost"] == len(recorded) - len(set(recorded)) <= period * 3, (s, trained)
+    assert twice <= s["steps_lost"] <= twice + 3, (s, trained)
     assert s["badput"]["down"] > 0 and s["badput"]["restore"] > 0
     assert parts(s) == pytest.approx(s["wall_s"], rel=1e-3) and s["badput"]["other"] <= 0.02 * s["wall_s"]
     assert abs(s["wall_s"] - wall) <= 0.02 * wall, (s, wall)
