@@ -572,5 +572,5 @@ def test_a_file_only_one_process_reads_damaged_falls_back_on_both(owner, tmp_pat
 ])
 def test_tensorstore_errors_name_the_os_error_whatever_precedes_it(text):
     # The text before os_error_code depends on which write failed; the line must still say what happened.
-    from maxtrain.checkpoint.manager import os_error_text
+    from maxtrain.checkpoint.describe import os_error_text
     assert os_error_text(ValueError(text)) == "No space left on device [errno 28]"

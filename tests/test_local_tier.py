@@ -214,7 +214,7 @@ def test_local_copies_of_a_run_whose_outputs_were_deleted_are_not_resumed(tmp_pa
 
 
 def test_a_local_copy_of_another_model_or_optimizer_is_one_line(tmp_path, train_tiny):
-    from maxtrain.checkpoint.manager import CheckpointError
+    from maxtrain.checkpoint.describe import CheckpointError
     train_tiny(*tiers(tmp_path, "steps=7"))
     shutil.rmtree(tmp_path / "r" / "checkpoints")  # only the local copies are left to resume from
     with pytest.raises(CheckpointError, match=rf"^{tmp_path}/local/r: local step 6: model shape differs: base_mlp_dim "

@@ -10,7 +10,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from maxtrain.config.load import Config
-from maxtrain.checkpoint.manager import CheckpointError, check_layout, check_model, first_line, model_signature
+from maxtrain.checkpoint.describe import CheckpointError, check_layout, check_model, first_line, model_signature
 from maxtrain.checkpoint.digest import Corrupt, verify
 from maxtrain.checkpoint.trust import Trust
 from maxtrain.runtime import storage

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from maxtrain.checkpoint.describe import os_error_text
 from maxtrain.checkpoint.digest import Corrupt
 
 
@@ -149,8 +150,7 @@ class LocalTier:
         if self._error is None:
             return None
         e, self._error = self._error, None
-        self.failed = f"{e.strerror} [errno {e.errno}]" if isinstance(e, OSError) and e.strerror else \
-            f"{type(e).__name__}: {e}"
+        self.failed = os_error_text(e)
         return self.failed
 
     # -- reading ---------------------------------------------------------------------------------------

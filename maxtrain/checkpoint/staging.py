@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from maxtrain.runtime import storage
-from maxtrain.checkpoint.manager import os_error_text
+from maxtrain.checkpoint.describe import os_error_text
 from maxtrain.runtime.errors import UserError
 from maxtrain.runtime.errors import ConvertError
 
