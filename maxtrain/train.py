@@ -29,7 +29,7 @@ from maxtrain.config import validate as config_validate
 from maxtrain.launch import distributed, run_dir as run_dir_lib
 from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.data import pipeline as data
-from maxtrain.observe import fit, goodput, writers as metric_writers, progress, run_record, summary
+from maxtrain.observe import cloud_goodput, fit, goodput, writers as metric_writers, progress, run_record, summary
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import optimizer, step as step_lib
 from maxtrain.launch.startup import load_config
@@ -50,6 +50,7 @@ def train(c: config_lib.Config, devices=None) -> dict:
     for warning in config_validate.no_effect_warnings(c):
         say(f"warning: {warning}")
     metric_writers.check_installed(c)
+    cloud_goodput.check_installed(c)
     mesh = mesh_lib.make_mesh(c, devices)
     fit.check_activations(c, mesh)  # from the shapes alone: tracing or compiling a step far too large takes minutes
     trainer = step_lib.build(c, mesh)
@@ -73,7 +74,8 @@ def train(c: config_lib.Config, devices=None) -> dict:
     batches, evals = data.make_iterators(c, trainer.batch_sharding, say)
     samples = Samples(c, trainer) if c.sample_interval else None
     run_dir, created = run_dir_lib.make(c)
-    ledger = goodput.Ledger(run_dir, write=jax.process_index() == 0)  # this start's time, by cause
+    first = jax.process_index() == 0  # this start's time, by cause; a copy to Cloud Logging where asked
+    ledger = goodput.Ledger(run_dir, write=first, mirror=cloud_goodput.recorder(c, say) if first else None)
     say(run_record.start_lines(c, run_dir))
     if advice := goodput.start_advice(ledger, c):  # once the job has failed: how often to save
         say(advice)

@@ -250,3 +250,90 @@ def test_a_run_says_the_intervals_once_its_saves_are_measured(tmp_path, train_ti
                                        r"a local save holds the loop [\d.]+ s, a persistent save holds the loop [\d.]+ "
                                        r"s, .*local_checkpoint_period=2.*checkpoint_period=5", said[0]), out
     assert "warning: local_checkpoint_period=2 is " in out  # a few ms per save against 30 minutes
+
+
+class CloudLog:
+    """ml-goodput-measurement's Cloud Logging client, as a list: what the recorder writes, the calculator reads."""
+
+    def __init__(self, fail_after=None):
+        self.entries, self.job_start_time, self.fail_after = [], None, fail_after
+
+    def write_cloud_logging_entry(self, entry):
+        if self.fail_after is not None and len(self.entries) >= self.fail_after:
+            raise RuntimeError("503 The service is currently unavailable.\nmore")
+        self.entries.append(entry)
+
+    def flush(self):
+        pass
+
+    def read_cloud_logging_entries(self, *args, **kwargs):
+        starts = [e["job_start_time"] for e in self.entries if "job_start_time" in e]
+        if starts and self.job_start_time is None:
+            import datetime
+            self.job_start_time = datetime.datetime.fromtimestamp(starts[0], tz=datetime.timezone.utc)
+        return list(self.entries), (None, None)
+
+
+def test_with_enable_goodput_recording_the_ledger_also_goes_to_ml_goodput_measurement(tmp_path, train_tiny,
+                                                                                     monkeypatch, capsys):
+    from ml_goodput_measurement.src.goodput import GoodputCalculator
+    from ml_goodput_measurement.src.goodput_utils import BadputType
+    from maxtrain.observe import cloud_goodput
+    log, names = CloudLog(), []
+    monkeypatch.setattr(cloud_goodput, "_cloud_logger", lambda *n: names.append(n) or log)
+    for steps in (6, 10):  # a finished run, raised to more steps: a second start of the job
+        monkeypatch.setenv(goodput.STARTED_ENV, str(time.time()))  # as if in a process of its own
+        train_tiny(f"steps={steps}", "enable_checkpointing=true", "checkpoint_period=3", "run_name=cloud",
+                   "enable_goodput_recording=true")
+    assert names == [("cloud", "goodput_cloud")] * 2  # MaxText's job name and log
+    assert sum("job_start_time" in e for e in log.entries) == sum("job_end_time" in e for e in log.entries) == 2
+    assert [e["step_count"] for e in log.entries if "step_count" in e] == [0, 1, 2, 3, 4, 5, 6] + [6, 7, 8, 9, 10]
+    causes = {e["custom_badput_event_type"] for e in log.entries if "custom_badput_event_type" in e}
+    assert {"compile", "checkpoint", "restore"} <= causes, causes
+    ours = goodput.summarize(goodput.read(tmp_path / "cloud" / goodput.FILE))
+    calculator = GoodputCalculator("cloud", "goodput_cloud", cloud_logger=log, cache_dir=str(tmp_path))
+    theirs, badput, last_step = calculator.get_job_goodput(include_badput_breakdown=True)
+    open("/tmp/entries.json", "w").write(json.dumps([log.entries, ours, theirs]))
+    assert last_step == 10
+    # The same seconds in the library's terms (its breakdown is in percent of the job's time, first start to
+    # last end): everything before a start's first step is its training preparation; the saves between steps
+    # are custom badput (the final saves come after the last step: the library counts them as recovery).
+    job_s = ours["wall_s"]
+    before_the_steps = sum(ours["badput"][k] for k in ("startup", "compile", "restore"))
+    between_steps = [e for start in goodput._split(goodput.read(tmp_path / "cloud" / goodput.FILE))
+                     for e, later in zip(start, start[1:]) if e.get("phase") == "checkpoint" and "step" in later]
+    assert len(between_steps) == 2  # after steps 3 and 9 (6 ends the first start)
+    assert badput[BadputType.TRAINING_PREP] * job_s / 100 == pytest.approx(before_the_steps, rel=0.02), badput
+    assert badput[BadputType.CUSTOM_BADPUT_EVENTS]["CHECKPOINT"] * job_s / 100 == pytest.approx(
+        sum(e["s"] for e in between_steps), rel=0.05, abs=0.005), badput
+    assert badput[BadputType.OTHER] < 2 and 0 < theirs < 100, badput
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_goodput_recording_that_cannot_reach_cloud_logging_is_one_warning_and_the_run_goes_on(
+        tmp_path, train_tiny, monkeypatch, capsys, tiny_config):
+    from maxtrain.config.keys import ConfigError
+    from maxtrain.observe import cloud_goodput
+
+    def no_credentials(*names):
+        raise RuntimeError("Your default credentials were not found. To set up Application Default Credentials, "
+                           "see https://cloud.google.com/docs/authentication/external/set-up-adc\nfor more")
+    monkeypatch.setattr(cloud_goodput, "_cloud_logger", no_credentials)
+    train_tiny("steps=2", "enable_goodput_recording=true", "run_name=a")
+    out = capsys.readouterr().out
+    assert ("warning: enable_goodput_recording: cannot write to Cloud Logging (RuntimeError: Your default "
+            "credentials were not found.") in out and "the goodput ledger in the run directory is kept" in out
+    assert goodput.summarize(goodput.read(tmp_path / "a" / goodput.FILE))["steps"] == 2
+
+    log = CloudLog(fail_after=5)  # the service goes away mid-run: one line, then nothing more is sent
+    monkeypatch.setattr(cloud_goodput, "_cloud_logger", lambda *names: log)
+    train_tiny("steps=4", "enable_goodput_recording=true", "run_name=b")
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning: enable_goodput_recording")]
+    assert said == ["warning: enable_goodput_recording: stopped sending goodput events (RuntimeError: 503 The "
+                    "service is currently unavailable.); the ledger in the run directory goes on"]
+    assert len(log.entries) == 5 and goodput.summarize(goodput.read(tmp_path / "b" / goodput.FILE))["steps"] == 4
+
+    monkeypatch.setattr(cloud_goodput, "PACKAGE", "no_such_package_here")  # the extra not installed
+    with pytest.raises(ConfigError, match=re.escape('enable_goodput_recording: needs ml-goodput-measurement: pip '
+                                                    'install -e ".[goodput]" (or set it false)')):
+        cloud_goodput.check_installed(tiny_config("enable_goodput_recording=true"))

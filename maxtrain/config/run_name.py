@@ -28,7 +28,7 @@ NOT_DEFINING = frozenset({
     "enable_checkpointing", "async_checkpointing", "checkpoint_period", "max_num_checkpoints_to_keep",
     "local_checkpoint_directory", "local_checkpoint_period", "failure_interval_hours",
     "nan_policy", "max_nonfinite_steps", "loss_spike_factor",
-    "metrics_backends", "peak_tflops_per_device", "profiler", "profiler_start_step", "profiler_steps",
+    "metrics_backends", "enable_goodput_recording", "peak_tflops_per_device", "profiler", "profiler_start_step", "profiler_steps",
     "compile_topology", "compile_topology_num_slices",
     "prompt", "prompt_ids", "prompt_file", "generate_batch_size", "max_new_tokens", "temperature", "top_k", "top_p",
     "sampling_seed", "sample_interval", "sample_prompts",

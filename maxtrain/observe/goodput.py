@@ -59,9 +59,10 @@ class Ledger:
     still measures). Steps are accounted in the training thread: a step's productive time is the time since
     the previous step's, less the phases and the data wait in between."""
 
-    def __init__(self, run_dir, write: bool):
+    def __init__(self, run_dir, write: bool, mirror=None):
+        """mirror: called with each event written (cloud_goodput.Recorder), or None."""
         self.path = run_dir / FILE
-        self.file = None
+        self.file, self.mirror = None, mirror
         self.mark = time.time()  # where the time the next step accounts for begins
         self.held = self.wait = 0.0  # phases and data wait since the mark
         if write:
@@ -80,11 +81,14 @@ class Ledger:
         """after_a_cut: on a line of its own even when a kill cut the last one short (an empty line is skipped)."""
         if self.file is None:
             return
+        event = {**event, "t": round(time.time(), 3)}
         try:
-            self.file.write("\n" * after_a_cut + json.dumps({**event, "t": round(time.time(), 3)}) + "\n")
+            self.file.write("\n" * after_a_cut + json.dumps(event) + "\n")
             self.file.flush()
         except OSError as e:
             self._failed(e)
+        if self.mirror is not None:
+            self.mirror(event)
 
     def add(self, cause: str, seconds: float) -> None:
         """`seconds` just spent on `cause` (measured by the caller)."""
