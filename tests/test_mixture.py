@@ -161,7 +161,7 @@ def test_a_mixture_of_one_reads_its_source_and_repeats_it(tiny_config, tmp_path)
 
 
 @pytest.mark.parametrize("args, line", [
-    ({"web": {"files": "W", "weight": -1}}, "data_sources.web.weight: must be >= 0, got -1"),
+    ({"web": {"files": "W", "weight": -1}}, "data_sources.web.weight: must be a finite number >= 0, got -1"),
     ({"web": {"files": "W", "weight": 0}}, "data_sources: every weight is 0: give at least one source a positive"),
     ({"web": {"files": "W"}}, "data_sources.web.weight: missing"),
     ({"web": {"files": "W", "weight": 1, "shuffle": True}}, "data_sources.web.shuffle: unknown; a source takes files"),
@@ -183,6 +183,20 @@ def test_bad_mixtures_are_refused_in_one_line_naming_the_key(tiny_config, args, 
     with pytest.raises(ConfigError) as e:
         tiny_config(sources_arg(args), *extra)
     assert str(e.value).startswith(line), str(e.value)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["data_sources={web: {files: W, weight: .nan}}"], "data_sources.web.weight: must be a finite number >= 0, got nan"),
+    (["data_sources={web: {files: W, weight: .inf}, wiki: {files: W, weight: 1}}"],
+     "data_sources.web.weight: must be a finite number >= 0, got inf"),
+    (["data_sources={web: {files: W, weight: 1}}", "data_stages=[{start_step: 5, weights: {web: .NaN}}]"],
+     "data_stages[0].weights.web: must be a finite number >= 0, got nan"),
+])
+def test_a_weight_that_is_not_a_number_or_infinite_is_refused(tiny_config, args, line):
+    """YAML's .nan and .inf are floats: they passed `>= 0` and ended in a traceback in the proportions."""
+    with pytest.raises(ConfigError) as e:
+        tiny_config(*args)
+    assert str(e.value) == line
 
 
 @pytest.mark.slow
@@ -231,6 +245,22 @@ def test_each_eval_source_has_its_own_loss(train_tiny, tmp_path, capsys):
     assert len(shares) == 60  # log_period=1
     total = sum(r["data/random/token_fraction"] for r in shares) / len(shares)
     assert abs(total - 0.1) < 0.02
+
+
+@pytest.mark.parametrize("empty", ["", "\n\n  \n"])  # no text; blank lines only
+def test_an_eval_set_with_no_tokens_is_refused_before_the_run_not_scored_a_perfect_loss(tiny_config, tmp_path, empty):
+    from maxtrain.data.sources import DataError
+    write_source(tmp_path / "a.txt", "a")
+    (tmp_path / "none.txt").write_text(empty)
+    train = ["dataset_type=text", f"train_files={tmp_path}/a.txt", "vocab_size=384"]
+    for evals, named in ((f"eval_files={tmp_path}/none.txt", f"eval_files ({tmp_path}/none.txt)"),
+                         ("eval_sources=" + json.dumps({"a": {"files": f"{tmp_path}/a.txt"},
+                                                        "none": {"files": f"{tmp_path}/none.txt"}}),
+                          f"eval_sources.none ({tmp_path}/none.txt)")):
+        c = tiny_config(*train, evals, devices=jax.devices()[:1])
+        with pytest.raises(DataError) as e:
+            data.make_iterators(c, one_device())
+        assert str(e.value) == f"{named}: no tokens to evaluate on (a document needs two tokens or more)"
 
 
 def test_eval_sources_serve_train_files_too_and_refuse_eval_files_beside(tiny_config, tmp_path):

@@ -270,6 +270,20 @@ def test_wsd_holds_the_peak_then_decays_the_last_fraction(tiny_config):
     assert float(learning_rate_schedule(c.replace(learning_rate_schedule_steps=200))(5)) == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("args, key", [(("warmup_steps=8",), "warmup_steps"),
+                                       (("warmup_steps_fraction=0.8",), "warmup_steps_fraction")])
+def test_a_wsd_warmup_that_runs_into_the_decay_is_refused(tiny_config, args, key):
+    """It warmed up to step 9 and ended at 0.82x of the peak while the first line said "stable to step 5"."""
+    from maxtrain.config.keys import ConfigError
+    c = tiny_config("steps=10", "lr_schedule_type=wsd", "wsd_decay_steps_fraction=0.5", *args)
+    with pytest.raises(ConfigError) as e:
+        learning_rate_schedule(c)
+    assert str(e.value) == (f"{key}: a warmup of 8 steps runs into wsd's decay over the last 5 (wsd_decay_steps_"
+                            "fraction=0.5 of learning_rate_schedule_steps=10): warmup + decay must be at most 10")
+    fits = c.replace(**{key: {"warmup_steps": 5, "warmup_steps_fraction": 0.5}[key]})
+    assert float(learning_rate_schedule(fits)(5)) == pytest.approx(c.learning_rate)  # peak, then the decay
+
+
 @pytest.mark.slow
 def test_a_wsd_run_extended_in_its_stable_phase_goes_on_at_the_same_rate(train_tiny, tmp_path, capsys):
     """Stopped at step 60 of a 100-step schedule, resumed with a 200-step one: the same learning rate at steps
@@ -297,18 +311,19 @@ def test_a_wsd_run_extended_in_its_stable_phase_goes_on_at_the_same_rate(train_t
 @pytest.mark.slow
 def test_a_wsd_run_extended_after_its_decay_goes_back_to_its_last_stable_step(train_tiny, tmp_path, capsys):
     """The steps after the peak decayed toward the old end: an extension resumes from the checkpoint saved at
-    the old schedule's last stable step (always saved), the decayed ones kept aside, and trains on at the peak."""
+    the old schedule's last stable step (always saved, and kept by retention), the decayed ones kept aside, and
+    trains on at the peak."""
     args = ("run_name=ext", "lr_schedule_type=wsd", "wsd_decay_steps_fraction=0.2", "warmup_steps_fraction=0",
-            "enable_checkpointing=true", "checkpoint_period=1000")
+            "enable_checkpointing=true", "checkpoint_period=3", "max_num_checkpoints_to_keep=2")
     train_tiny(*args, "steps=20", n_devices=1)
     checkpoints = tmp_path / "ext" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["16", "20"]
+    assert sorted((p.name for p in checkpoints.iterdir() if p.name.isdigit()), key=int) == ["16", "18", "20"]
     capsys.readouterr()
     train_tiny(*args, "steps=22", "learning_rate_schedule_steps=40", n_devices=1)
     out = capsys.readouterr().out
     assert ("a wsd run extended (learning_rate_schedule_steps 20 -> 40): resuming from step 16 (kept aside: "
-            "20.decayed)") in out and f"resumed from {checkpoints}/16" in out
+            "18.decayed, 20.decayed)") in out and f"resumed from {checkpoints}/16" in out
     rows = [json.loads(x) for x in (tmp_path / "ext" / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["train/learning_rate"] for r in rows if "train/learning_rate" in r}
     assert lrs[17] == lrs[22] == pytest.approx(3e-3)  # at the peak again, where the 20-step run had decayed
-    assert (checkpoints / "20.decayed").is_dir()
+    assert (checkpoints / "18.decayed").is_dir() and (checkpoints / "20.decayed").is_dir()

@@ -248,13 +248,13 @@ class Checkpointer:
         return f"step {newest} in {self.directory}" if newest is not None else "none"
 
     def _prune(self) -> None:
-        """Keeps the newest max_num_checkpoints_to_keep complete steps and the newest trusted one (called
-        only after a save is known complete, so the step it supersedes is never deleted for one that may not
-        exist)."""
+        """Keeps the newest max_num_checkpoints_to_keep complete steps, the newest trusted one and `also_at`
+        (a wsd run's last step at the peak, which an extension goes back to), called only after a save is known
+        complete, so the step it supersedes is never deleted for one that may not exist."""
         keep = self.config.max_num_checkpoints_to_keep
         steps = sorted(self.manager.all_steps())
         trusted = self.trust.newest_trusted(steps)
-        doomed = [s for s in (steps[:-keep] if keep else []) if s != trusted]
+        doomed = [s for s in (steps[:-keep] if keep else []) if s not in (trusted, self.also_at)]
         for step in doomed:
             self.manager.delete(step)
         held = set(self.manager.all_steps()) | set(self.local.steps() if self.local is not None else [])

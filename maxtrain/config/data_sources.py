@@ -3,6 +3,7 @@ ConfigError naming the key, down to the source and stage: `data_stages[1].weight
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from maxtrain.config.keys import CHOICES, RUN_NAME, ConfigError
@@ -10,6 +11,12 @@ from maxtrain.runtime import storage
 
 
 SOURCE_KEYS = {"files": str, "weight": float, "dataset_type": str, "text_field": str}
+
+
+def _check_weight(where: str, w: Any) -> None:
+    """A finite number >= 0 (YAML's .nan and .inf are floats too)."""
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
+        raise ConfigError(where, f"must be a finite number >= 0, got {w!r}")
 
 
 def _sources(c: dict[str, Any], key: str, weighted: bool) -> None:
@@ -33,8 +40,8 @@ def _sources(c: dict[str, Any], key: str, weighted: bool) -> None:
         for k in ("files", "weight") if weighted else ("files",):
             if k not in spec or (k == "files" and not spec[k].strip()):
                 raise ConfigError(f"{where}.{k}", "missing" if k not in spec else "is empty")
-        if weighted and spec["weight"] < 0:
-            raise ConfigError(f"{where}.weight", f"must be >= 0, got {spec['weight']}")
+        if weighted:
+            _check_weight(f"{where}.weight", spec["weight"])
         if spec.get("dataset_type", "text") not in CHOICES["dataset_type"][1:]:
             raise ConfigError(f"{where}.dataset_type", f"{spec['dataset_type']!r} is not one of "
                               f"{', '.join(CHOICES['dataset_type'][1:])}")
@@ -86,7 +93,6 @@ def validate_sources(c: dict[str, Any]) -> None:
             raise ConfigError(f"{where}.weights", f"gives no weight to {', '.join(missing)}: name every source "
                               "(0 leaves one out)")
         for k, w in weights.items():
-            if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0:
-                raise ConfigError(f"{where}.weights.{k}", f"must be a number >= 0, got {w!r}")
+            _check_weight(f"{where}.weights.{k}", w)
         if sum(weights.values()) <= 0:
             raise ConfigError(f"{where}.weights", "every weight is 0: give at least one source a positive weight")

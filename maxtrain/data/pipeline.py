@@ -180,6 +180,15 @@ class Batches:
         except StopIteration:
             self._primed = StopIteration
 
+    def primed_weight(self) -> float:
+        """The tokens the primed first batch scores on, over every process (a collective where there are several)."""
+        item = self._primed
+        local = 0.0 if item is None or item is StopIteration else float(item[0]["weights"].sum())
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+        return float(np.sum(multihost_utils.process_allgather(np.float32(local))))
+
     def __iter__(self):
         return self
 
@@ -281,9 +290,22 @@ def make_iterators(c, batch_sharding, say=None):
             return Batches(reader, c, batch_sharding, pad_after_end=jax.process_count() > 1)
         first = make_eval()
         first.prime()  # the eval files are checked now too
+        empty = first.primed_weight() == 0
         first.close()
+        if empty:  # its loss would be 0: a perfect score for nothing
+            raise DataError(f"{_eval_set(c, name)}: no tokens to evaluate on (a document needs two tokens or more)")
         evals[name] = make_eval
     return batches, evals
+
+
+def _eval_set(c, name: str) -> str:
+    """An eval set as the config names it."""
+    if c.eval_sources:
+        return f"eval_sources.{name} ({c.eval_sources[name]['files']})"
+    if c.eval_files:
+        return f"eval_files ({c.eval_files})"
+    held = f"data_sources.{name}" if name else f"train_files ({c.train_files})"
+    return f"the held-out part of {held} (eval_split_fraction={c.eval_split_fraction})"
 
 
 def make_iterator(c, batch_sharding):

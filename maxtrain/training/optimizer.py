@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from maxtrain.config.keys import ConfigError
 from maxtrain.config.load import Config
 from maxtrain.models import registry
 
@@ -17,6 +18,20 @@ def warmup_steps(c) -> int:
     if c["warmup_steps"] >= 0:
         return min(c["warmup_steps"], c["learning_rate_schedule_steps"])
     return int(c["warmup_steps_fraction"] * c["learning_rate_schedule_steps"])
+
+
+def wsd_decay_steps(c) -> int:
+    """A wsd schedule's decay: the last wsd_decay_steps_fraction of learning_rate_schedule_steps; its warmup
+    and decay must not overlap (a warmup into the decay never reaches the peak, and the decay ends late)."""
+    total = c["learning_rate_schedule_steps"]
+    decay = int(round(c["wsd_decay_steps_fraction"] * total))
+    warmup = warmup_steps(c)
+    if warmup + decay > total:
+        key = "warmup_steps" if c["warmup_steps"] >= 0 else "warmup_steps_fraction"
+        raise ConfigError(key, f"a warmup of {warmup} steps runs into wsd's decay over the last {decay} "
+                          f"(wsd_decay_steps_fraction={c['wsd_decay_steps_fraction']:g} of "
+                          f"learning_rate_schedule_steps={total}): warmup + decay must be at most {total}")
+    return decay
 
 
 def learning_rate_schedule(c: Config) -> optax.Schedule:
@@ -38,8 +53,8 @@ def learning_rate_schedule(c: Config) -> optax.Schedule:
     elif c.lr_schedule_type == "constant":
         parts.append(optax.constant_schedule(peak))
     else:  # wsd
-        decay = max(int(round(c.wsd_decay_steps_fraction * total)), 0)
-        stable = max(total - warmup - decay, 0)
+        decay = wsd_decay_steps(c)
+        stable = total - warmup - decay
         end = (optax.cosine_decay_schedule(peak, max(decay, 1), alpha=alpha) if c.wsd_decay_style == "cosine"
                else optax.linear_schedule(peak, final, max(decay, 1)))
         parts += [optax.constant_schedule(peak), end]
@@ -51,8 +66,7 @@ def stable_end(c) -> int | None:
     """A wsd schedule's last step at the peak (a checkpoint is saved there); None for the other schedules."""
     if c["lr_schedule_type"] != "wsd":
         return None
-    total = c["learning_rate_schedule_steps"]
-    return total - int(round(c["wsd_decay_steps_fraction"] * total))
+    return c["learning_rate_schedule_steps"] - wsd_decay_steps(c)
 
 
 def extend_from(c: Config, previous: dict | None) -> int | None:
@@ -62,7 +76,7 @@ def extend_from(c: Config, previous: dict | None) -> int | None:
         return None
     try:
         old = stable_end(previous)
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, ConfigError):  # a last start's config of an older maxtrain
         return None
     return old if old < stable_end(c) and previous["learning_rate_schedule_steps"] < c.learning_rate_schedule_steps \
         else None
@@ -76,7 +90,7 @@ def describe_schedule(c: Config) -> str:
     sep = ", " if warmup else ""
     final = f"{c.cosine_learning_rate_final_fraction:g}x"
     if c.lr_schedule_type == "wsd":
-        decay = int(round(c.wsd_decay_steps_fraction * total))
+        decay = wsd_decay_steps(c)
         return head + f"{sep}stable to step {total - decay}, {c.wsd_decay_style} decay to {final} at {total})"
     if c.lr_schedule_type == "constant":
         return head + ")" if warmup else head[:-2]
