@@ -110,7 +110,7 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
         settings = {k: c[k] for k in config_keys.PRESET_KEYS} | {"scan_layers": c.scan_layers,
                                                                "weight_dtype": c.weight_dtype} | tokenizer
         if config_path:
-            settings = {"base_config": str(Path(config_path).absolute())} | settings
+            settings = {"base_config": str(config_lib.config_path(config_path).absolute())} | settings  # a shipped one too
         settings["load_parameters_path"] = str(out_path)
         header = (f"# Written by `python -m maxtrain.convert hf_to_maxtrain` from {shown or hf_path.absolute()}.\n"
                   f"# Train from these weights: python -m maxtrain.train {out_path}/maxtrain.yml key=value ...\n")

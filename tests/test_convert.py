@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
@@ -120,6 +121,20 @@ def test_trained_checkpoint_exported_gives_the_same_logits_in_transformers(tmp_p
 
 
 @pytest.mark.slow
+def test_import_with_a_shipped_config_extends_it_from_any_directory(tmp_path, monkeypatch):
+    """`--config configs/shakespeare.yml` outside the checkout is the config the package ships (it was written
+    as <cwd>/configs/shakespeare.yml, which did not exist): the data keys come with it, paths beside it."""
+    hf = _saved(tmp_path)
+    plain = yaml.safe_load((convert.hf_to_maxtrain(str(hf), str(tmp_path / "plain")) / "maxtrain.yml").read_text())
+    model = [f"{k}={v}" for k, v in plain.items() if k not in ("load_parameters_path", "tokenizer_type")]
+    monkeypatch.chdir(tmp_path)
+    out = convert.hf_to_maxtrain(str(hf), "mt", "configs/shakespeare.yml", overrides=tuple(model))
+    written = yaml.safe_load((out / "maxtrain.yml").read_text())
+    assert written["base_config"] == str(config_lib.CONFIG_DIR / "shakespeare.yml")
+    c = config_lib.load([str(out / "maxtrain.yml")])
+    assert c.train_files == str(config_lib.CONFIG_DIR / "data" / "tinyshakespeare.txt") and c.eval_interval == 100
+
+
 def test_greedy_generation_matches_transformers(tmp_path):
     model = random_hf_model("llama-gqa")
     model.save_pretrained(tmp_path / "hf")
