@@ -177,9 +177,12 @@ def test_the_profiler_says_where_it_wrote_the_trace(train_tiny, tmp_path, capsys
     written = [p for p in (profile / "plugins" / "profile").iterdir()]
     assert len(written) == 1
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("profiler:")]
-    assert lines == [f"profiler: trace of steps 2-3 written to {written[0]} (view it with tensorboard --logdir "
-                     f"{profile} or xprof --logdir={profile})"]
+    assert lines == [f"profiler: trace of steps 2-3 written to {written[0]} (view it with xprof "
+                     f"--logdir={profile} --port=8791; pip install -e \".[profile]\" installs it)"]
     assert list(written[0].glob("*.xplane.pb"))
+    import tomllib  # the extra it names installs the viewer it names (no TensorBoard is installed)
+    extras = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [d.split("==")[0] for d in extras["profile"]] == ["xprof"]
 
 
 # ---- as a user runs it: no libtpu noise, Ctrl-C -------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A jax.profiler trace of chosen steps (`profiler: xplane`), for TensorBoard's profile plugin or XProf.
+"""A jax.profiler trace of chosen steps (`profiler: xplane`), for XProf (the `profile` extra).
 
 The trace covers steps profiler_start_step .. profiler_start_step + profiler_steps - 1 (absolute step
 numbers, so a resumed run profiles the same steps or none) and lands in <run>/profile/plugins/profile/
@@ -65,5 +65,5 @@ class StepProfiler:
             if jax.process_index() == 0:
                 written = sorted(set(self.directory.glob("plugins/profile/*")) - before) or [self.directory]
                 steps = f"step {self.first}" if self.seen == self.first else f"steps {self.first}-{self.seen}"
-                print(f"profiler: trace of {steps} written to {written[-1]} (view it with "
-                      f"tensorboard --logdir {self.directory} or xprof --logdir={self.directory})", flush=True)
+                print(f"profiler: trace of {steps} written to {written[-1]} (view it with xprof "
+                      f"--logdir={self.directory} --port=8791; pip install -e \".[profile]\" installs it)", flush=True)
