@@ -283,6 +283,8 @@ def test_export_refuses_what_deepseek_cannot_express(change, message):
     (("topk_routing_group=1", "num_experts_per_tok=3"), "num_experts_per_tok: 3 exceeds the 1 groups' 2 experts a "
                                                         "token may pick from"),
     (("mtp_num_layers=-1",), "mtp_num_layers: must be in [0, max_target_length=128), got -1"),
+    (("mtp_num_layers=63",), "mtp_num_layers: 63: at most 8 (DeepSeek-V3 trains with 1; each depth is a layer of "
+                             "its own, unrolled in the step: compile time and memory grow with it)"),
     (("ici_pipeline_parallelism=2",), "mtp_num_layers: multi-token prediction cannot be pipelined yet "
                                       "(ici/dcn_pipeline_parallelism=1)"),
     (("rope_yarn_mscale=-1",), "rope_yarn_mscale: must be >= 0 (0 = not set)"),

@@ -240,10 +240,17 @@ def _validate_mla(c: dict[str, Any]) -> None:
             raise ConfigError(key, f"{c[key]!r} is not supported with attention_type=mla (needs {plain!r})")
 
 
+MAX_MTP_DEPTHS = 8  # each depth is a layer of its own in the step: 63 compiled for over 5 minutes in 5 GiB
+
+
 def _validate_mtp(c: dict[str, Any]) -> None:
     if c["mtp_num_layers"] < 0 or c["mtp_num_layers"] >= c["max_target_length"]:
         raise ConfigError("mtp_num_layers", f"must be in [0, max_target_length={c['max_target_length']}), got "
                           f"{c['mtp_num_layers']}")
+    if c["mtp_num_layers"] > MAX_MTP_DEPTHS:
+        raise ConfigError("mtp_num_layers", f"{c['mtp_num_layers']}: at most {MAX_MTP_DEPTHS} (DeepSeek-V3 trains "
+                          "with 1; each depth is a layer of its own, unrolled in the step: compile time and memory "
+                          "grow with it)")
     if c["mtp_loss_scaling_factor"] < 0:
         raise ConfigError("mtp_loss_scaling_factor", "must be >= 0")
     if c["mtp_num_layers"] and c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
