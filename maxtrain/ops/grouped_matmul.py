@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 
 import jax
@@ -88,7 +89,7 @@ def tokamax_swiglu(xs_MxD, group_sizes_G, weights, body, biases=(), *, platform:
     selected away at the two ends of `body` only, as megablox_swiglu (its TPU kernels leave them unwritten,
     and a select after each matmul kept a second copy of each output alive at the peak: gpt-oss-120b on
     v5p-128, fsdp 64, 1.26 GiB a chip)."""
-    import tokamax  # imported on first use: it imports Pallas, which slows every start
+    tokamax = _tokamax()
     # Tokamax takes the first implementation that does not refuse the shapes: its TPU kernel wants widths
     # of at least 128, and a narrower (test-sized) model gets XLA's
     kernel = TOKAMAX_IMPLEMENTATION.get(platform)
@@ -107,8 +108,25 @@ def cross_compiling(method: str):
     kernels, which are traced later, outside tokamax_swiglu."""
     if method != "tokamax":
         return contextlib.nullcontext()
+    return _tokamax().config.cross_compile(True)
+
+
+class _NoCacheMiss(logging.Filter):
+    """Tokamax warns, for each ragged_dot it traces, that it has no autotuned config for the shapes (~1 kB
+    each, 18 for an MoE step) and takes its heuristic one: expected without an autotuning cache, and they
+    buried an AOT compile's fits line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Autotuning cache miss")
+
+
+def _tokamax():
+    """tokamax, imported on first use (it imports Pallas, which slows every start), its cache misses quiet."""
     import tokamax
-    return tokamax.config.cross_compile(True)
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _NoCacheMiss) for f in absl.filters):
+        absl.addFilter(_NoCacheMiss())
+    return tokamax
 
 
 def megablox_swiglu(xs_MxD, group_sizes_G, weights, body, biases=()):
