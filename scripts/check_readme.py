@@ -14,7 +14,7 @@ Commands are the lines of the ```bash blocks (a trailing `\\` joins lines; `# ..
 bash so that `VAR=value` prefixes and `&&` work as typed, with the `python` running this script first on
 PATH and none of the environment's JAX or maxtrain settings. Not run: `pip install` (the environment is
 already installed), the test command itself, usage synopses (CONFIG.yml), and launchers that need a cloud
-project or a cluster (their --dry-run is tests/test_launch.py's). `path/to/hf_model` is made there: a
+project or a cluster (their --dry-run is tests/test_launch.py's; a TPU pod's --dry-run is run). `path/to/hf_model` is made there: a
 small random-weight Llama (transformers); `[--optional args]` are left out.
 
 A block without a language that follows shows output: `$ command` lines are run, and each line after
@@ -43,7 +43,8 @@ SKIP = [  # (pattern, why): parts of a command line that are not run
     (r"^pip install\b", "installs: the environment is installed already"),
     (r"\bpytest\b", "the test command itself"),
     (r"CONFIG\.yml|\[key=value", "usage synopsis"),
-    (r"^scripts/launch_(tpu_pod|gke)\.sh\b", "needs a cloud project (tests/test_launch.py runs its --dry-run)"),
+    (r"^scripts/launch_(tpu_pod\.sh(?!.* --dry-run)|gke\.sh)\b", "needs a cloud project (tests/test_launch.py runs "
+                                                              "its --dry-run)"),
     (r"^sbatch\b", "needs a SLURM cluster (tests/test_launch.py runs its --dry-run)"),
 ]
 HF_MODEL = "path/to/hf_model"

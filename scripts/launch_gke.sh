@@ -27,7 +27,9 @@ if [[ -z $workload || -z $tpu_type || -z $image || $# -lt 1 ]]; then
   echo "usage: $0 [--dry-run] [--xpk] --cluster C --workload NAME --tpu-type v5p-128 --image IMAGE [--num-slices N] -- CONFIG.yml [key=value ...]" >&2
   exit 2
 fi
-train_cmd="python -m maxtrain.train $(printf '%q ' "$@")"
+# shellcheck source=scripts/python_env.sh
+source "$(dirname "$0")/python_env.sh"  # the helper steps below import maxtrain here
+train_cmd="python -m maxtrain.train $(printf '%q ' "$@")"  # in the image
 train_cmd=${train_cmd% }
 
 if [[ $xpk == 1 ]]; then
@@ -46,10 +48,10 @@ case $gen in
   v6e) accel=tpu-v6e-slice;       chips=$n;        per_host=$(( n <= 8 ? n : 4 )) ;;
   *) echo "unsupported --tpu-type $tpu_type (v4-N, v5p-N, v5e-N, v6e-N)" >&2; exit 2 ;;
 esac
-topology=$(python -c "from maxtrain.compile import topology; print(topology('$tpu_type')[1].split(':')[1])")
+topology=$("$PYTHON" -c "from maxtrain.compile import topology; print(topology('$tpu_type')[1].split(':')[1])")
 manifest=$(WORKLOAD=$workload MAX_RESTARTS=$max_restarts NUM_SLICES=$num_slices HOSTS_PER_SLICE=$((chips / per_host)) \
   GKE_ACCELERATOR=$accel TOPOLOGY=$topology IMAGE=$image COMMAND=${train_cmd//\"/\\\"} CHIPS_PER_HOST=$per_host \
-  python -c 'import os, string, sys; print(string.Template(open(sys.argv[1]).read()).substitute(os.environ))' \
+  "$PYTHON" -c 'import os, string, sys; print(string.Template(open(sys.argv[1]).read()).substitute(os.environ))' \
   "$(dirname "$0")/gke_jobset.yaml.tmpl")
 if [[ $dry_run == 1 ]]; then
   echo "$manifest"; echo "---"; echo "kubectl apply -f -"

@@ -31,7 +31,9 @@ if [[ $# -lt 2 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: $0 [--dry-run] [--max-restarts K] N CONFIG.yml [key=value ...]" >&2; exit 2
 fi
 n=$1; shift
-python=${PYTHON:-python}
+# shellcheck source=scripts/python_env.sh
+source "$(dirname "$0")/python_env.sh"
+python=$PYTHON
 port=${MAXTRAIN_COORDINATOR_PORT:-$($python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 devices=${MAXTRAIN_DEVICES_PER_PROCESS:-4}
 platform=${MAXTRAIN_PLATFORM:-cpu}

@@ -134,6 +134,7 @@ LONG = {
     "tests/test_readme.py::test_each_pages_commands_give_what_it_shows[data.md#2]": 285,
     "tests/test_readme.py::test_each_pages_commands_give_what_it_shows": 200,  # each other section
     "tests/test_faults.py::test_two_processes_roll_back_and_fall_back_together": 83,
+    "tests/test_launch.py::test_the_tpu_worker_script_makes_its_environment_and_runs_the_job_detached": 105,
     "tests/test_deepseek.py::test_the_same_losses_on_every_mesh_with_mtp": 55,
     "tests/test_multiprocess.py::test_the_data_position_moves_between_process_counts": 65,
     "tests/test_moe.py::test_metrics_resume_and_accumulation": 70,

@@ -90,24 +90,34 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _read_chain(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Values of `path` over those of its base_config chain (root first); base.yml's are the defaults, not a
-    file's choice (a key left unset stays so: vocab_size then follows the tokenizer)."""
+def config_chain(path: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """[(file, its values without base_config)] from `path` up its base_config chain to the root, base.yml
+    left out (its values are the defaults, not a file's choice). A base_config is read beside the file that
+    names it, or else is one the package ships (`base_config: base.yml` in a user's own folder)."""
+    chain: list[tuple[Path, dict[str, Any]]] = []
     path = path.resolve()
-    if path == BASE_YML.resolve():
-        return {}
-    if path in seen:
-        raise ConfigError("base_config", f"cycle through {path}")
-    data = _beside(_read_yaml(path), path.parent)
-    parent = data.pop("base_config", None)
-    if parent is None:
-        return data
-    if not isinstance(parent, str):
-        raise ConfigError("base_config", f"in {path} must be a path string")
-    beside = path.parent / parent
-    if not beside.exists():  # `base_config: base.yml` in a user's own folder: the one the package ships
-        beside = config_path(parent)
-    return {**_read_chain(beside, seen + (path,)), **data}
+    while path != BASE_YML.resolve():
+        if any(path == seen for seen, _ in chain):
+            raise ConfigError("base_config", f"cycle through {path}")
+        data = _beside(_read_yaml(path), path.parent)
+        parent = data.pop("base_config", None)
+        chain.append((path, data))
+        if parent is None:
+            break
+        if not isinstance(parent, str):
+            raise ConfigError("base_config", f"in {path} must be a path string")
+        beside = path.parent / parent
+        path = (beside if beside.exists() else config_path(parent)).resolve()
+    return chain
+
+
+def _read_chain(path: Path) -> dict[str, Any]:
+    """Values of `path` over those of its base_config chain (root first); a key left unset stays so (vocab_size
+    then follows the tokenizer)."""
+    values: dict[str, Any] = {}
+    for _, data in reversed(config_chain(path)):
+        values.update(data)
+    return values
 
 
 # Keys that name files a run reads: a relative one that matches nothing from the working directory is read
