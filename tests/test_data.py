@@ -634,6 +634,23 @@ def test_prepare_stopped_by_ctrl_c_resumes_to_the_same_shards(tmp_path, hf_token
         assert (tmp_path / "tok" / "shards" / name).read_bytes() == (tmp_path / "straight" / "shards" / name).read_bytes()
 
 
+def test_a_second_prepare_into_a_directory_being_written_is_one_line(tmp_path):
+    """Two at once both failed with 'No such file or directory' on each other's shards; now a job holds its
+    directory (a lock the kernel drops when its holder ends, killed or not) and a second one says so."""
+    corpus.make(tmp_path / "corpus", 2, 20, formats=("txt",))
+    args = (f"train_files={tmp_path}/corpus/*", f"prepared_dir={tmp_path}/tok", "prepare_workers=1")
+    with prepare_lib._holding(str(tmp_path / "tok")):  # as a prepare running in this process holds it
+        second = prepare_cli(*args, tmp_path=tmp_path)
+        _, err = second.communicate(timeout=120)
+    assert second.returncode == 2 and err == (f"config error: prepared_dir: {tmp_path}/tok is being written by another "
+                                              f"maxtrain.prepare (pid {os.getpid()}): wait for it to finish, or choose "
+                                              "another prepared_dir\n"), err
+    assert not (tmp_path / "tok" / "shards").exists()
+    again = prepare_cli(*args, tmp_path=tmp_path)
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0 and out.splitlines()[-1].startswith("done: 40 documents, "), err
+
+
 @pytest.mark.slow
 def test_prepare_on_a_full_disk_is_one_line_and_keeps_its_shards(tmp_path):
     from conftest import tmpfs

@@ -10,7 +10,9 @@ order whatever order the workers finished in.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -28,6 +30,7 @@ from maxtrain.runtime import storage
 from maxtrain.runtime.errors import ConfigError, RunError
 
 PLAN = "prepare.json"  # the job's inputs: a rerun with other inputs into the same directory is refused
+LOCK = ".prepare.lock"  # held (flock) by the job writing a local directory; the kernel drops it if killed
 ENCODE_DOCS = 512  # documents tokenized together
 REPORT_SECONDS = 10.0
 
@@ -171,10 +174,42 @@ def _done(job: Job, dtype) -> dict[int, dict]:
     return done
 
 
+@contextlib.contextmanager
+def _holding(directory: str):
+    """The directory to this job alone: a second prepare into it says who holds it (a local directory; two
+    jobs into one gs:// prefix are not told apart)."""
+    if storage.is_url(directory):
+        yield
+        return
+    path = os.path.join(directory, LOCK)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError("prepared_dir", f"{directory}: cannot write: {storage.error_text(e)}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ConfigError("prepared_dir", f"{directory} is being written by another maxtrain.prepare (pid "
+                              f"{holder}): wait for it to finish, or choose another prepared_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
 def run(c, say=print) -> dict:
-    """Runs (or resumes) the job; returns the manifest."""
-    from maxtrain.runtime.wording import counted, duration
+    """Runs (or resumes) the job, holding its directory; returns the manifest."""
     job = plan(c)
+    with _holding(job.directory):
+        return _run(c, job, say)
+
+
+def _run(c, job: Job, say) -> dict:
+    from maxtrain.runtime.wording import counted, duration
     tok = tokenizer_of(job.settings)
     root = storage.path(job.directory, "prepared_dir")
     inputs = _inputs(job, tok)
