@@ -90,6 +90,10 @@ _LEADER = "the leader task was preempted/died/restarted"
 # coordination service has missed any heartbeat (seen on a loaded machine)
 _TERMINATE = b"terminate called after throwing"
 _GLOO_WHAT = re.compile(r"terminate called after throwing an instance of 'gloo::\w+'\n\s*what\(\):\s*(.*)")
+_PEER_CLOSED = ("Connection closed by peer", "Connection reset by peer")
+# A peer killed mid-send: gloo reads a cut message and asks "Is there a distributed collective mismatch in
+# your code?". maxtrain's collectives are one compiled program on every process, so they cannot mismatch.
+_PEER_CUT = ("op.preamble.length <= op.nbytes", "collective mismatch")
 WARNING_DELAY_S = 5.0
 
 
@@ -187,9 +191,11 @@ def _who_went_away(c: Config, text: str, code: int) -> str:
     if _LEADER in text:
         return f"process 0{n} (the coordinator) went away: this process stopped too"
     gloo = _GLOO_WHAT.search(text)
-    if gloo and "Connection closed by peer" in gloo.group(1):  # the service had not noticed yet
-        who = f"process {1 - c.process_id}{n}" if c.num_processes == 2 and c.process_id in (0, 1) else "a peer"
+    who = f"process {1 - c.process_id}{n}" if c.num_processes == 2 and c.process_id in (0, 1) else "a peer"
+    if gloo and any(x in gloo.group(1) for x in _PEER_CLOSED):  # the service had not noticed yet
         return f"{who} went away (its connection closed during a collective): this process stopped too"
+    if gloo and any(x in gloo.group(1) for x in _PEER_CUT):
+        return f"{who} went away (a collective's message from it was cut short): this process stopped too"
     if gloo:  # any other failure of a collective: gloo's own words
         return f"a collective failed (gloo: {gloo.group(1).strip()}): this process stopped too"
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
