@@ -69,6 +69,38 @@ def test_an_unusable_scheme_is_one_line(override, expected, capsys, tmp_path, mo
     assert list(tmp_path.iterdir()) == []  # no ./foo:/x/runs
 
 
+def test_a_url_without_a_bucket_is_one_line(capsys, tmp_path, monkeypatch):
+    """base_output_directory=gs:// wrote under gs://<run_name>, the run's name taken for a bucket, and said
+    nothing for 90 s."""
+    monkeypatch.chdir(tmp_path)
+    code, err = main_in_process([TINY, "base_output_directory=gs://"], capsys)
+    assert (code, one_line(err)) == (2, "config error: base_output_directory: 'gs://' names no bucket (e.g. "
+                                        "gs://BUCKET/path)")
+
+
+def test_a_store_that_cannot_be_reached_is_one_line_naming_it(monkeypatch, tmp_path):
+    """A glob of train_files was a 120-line aiohttp traceback; a load_parameters_path said it was not a
+    checkpoint. Here the store's client fails at once, as it does after its retries (34 s for a glob, 68 s
+    for a bucket's existence against a closed port, measured with STORAGE_EMULATOR_HOST=http://127.0.0.1:9)."""
+    import aiohttp
+    import fsspec
+    from maxtrain.checkpoint import loading
+
+    class Unreachable:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def glob(self, *args, **kwargs):
+            raise aiohttp.ClientConnectorError(None, OSError(111, "Connect call failed ('127.0.0.1', 9)"))
+        exists = glob
+    monkeypatch.setattr(fsspec, "filesystem", Unreachable)
+    said = r"cannot reach gs://nobucket \(.*Connect call failed.*; the client retried for \d+ s\)"
+    with pytest.raises(storage.StorageError, match=rf"^train_files: {said}$"):
+        storage.glob("gs://nobucket/corpus/*.txt", "train_files")
+    with pytest.raises(storage.StorageError, match=rf"^load_parameters_path: {said}$"):
+        loading.step_directory("gs://nobucket/run/checkpoints/5", "load_parameters_path")
+
+
 def test_gs_without_gcsfs_says_what_to_install(capsys, monkeypatch):
     import importlib.util
     find_spec = importlib.util.find_spec

@@ -19,6 +19,7 @@ from maxtrain.runtime import storage
 
 def step_directory(path: str, key: str) -> Path:
     p = storage.absolute(path, key)
+    storage.check_bucket(p, key)  # an unreachable store would answer "no such directory" below
     if not (p / "state").is_dir():
         raise CheckpointError(f"{key}: {p} is not a maxtrain checkpoint step directory "
                               f"(expected {p}/state; e.g. <run>/checkpoints/<step>)")

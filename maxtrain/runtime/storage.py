@@ -57,6 +57,8 @@ def check(value: str, key: str) -> None:
     if s not in BACKENDS:
         raise StorageError(key, f"{value}: unsupported scheme {s}:// (use a local path, "
                            f"{' or '.join(f'{b}://' for b in BACKENDS)})")
+    if not _bucket(value):
+        raise StorageError(key, f"{value!r} names no bucket (e.g. {s}://BUCKET/path)")
     package, install = BACKENDS[s]
     import importlib.util
     if importlib.util.find_spec(package) is None:
@@ -118,8 +120,11 @@ def glob(pattern: str, key: str) -> list[str]:
         return sorted(m for m in glob_lib.glob(pattern, recursive=True) if not os.path.isdir(m))
     check(pattern, key)
     import fsspec
-    fs = fsspec.filesystem(s)
-    found = fs.glob(pattern, detail=True)  # one listing, with each match's type
+    t0 = time.perf_counter()
+    try:
+        found = fsspec.filesystem(s).glob(pattern, detail=True)  # one listing, with each match's type
+    except Exception as e:  # noqa: BLE001 - no network, no credentials: aiohttp's, google.auth's, gcsfs's own
+        raise _unreachable(key, pattern, e, t0) from None
     return sorted(f"{s}://{m}" for m, info in found.items() if info.get("type") != "directory")
 
 
@@ -131,18 +136,28 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
+def _bucket(url) -> str:
+    return str(url).split("://", 1)[1].split("/", 1)[0]
+
+
+def _unreachable(key: str, url, e: BaseException, t0: float) -> StorageError:
+    """A store that did not answer: one line naming it, what it said, and how long its client retried."""
+    return StorageError(key, f"cannot reach {scheme(str(url))}://{_bucket(url)} ({error_text(e)}; the client "
+                        f"retried for {time.perf_counter() - t0:.0f} s)")
+
+
 def check_bucket(p: AnyPath, key: str) -> None:
-    """A URL's bucket must exist before a run writes into it (an object store would fail only at the first
-    write, or create nothing at all)."""
+    """A URL's bucket must exist before a run writes into it or reads from it (an object store would fail
+    only at the first write, or answer a read it cannot make as "no such file")."""
     if isinstance(p, pathlib.Path):
         return
-    s, rest = str(p).split("://", 1)
-    bucket = rest.split("/", 1)[0]
+    s, bucket = scheme(str(p)), _bucket(p)
+    t0 = time.perf_counter()
     try:
         import fsspec
         found = fsspec.filesystem(s).exists(bucket)
-    except Exception as e:  # no credentials, no network: say what the store said
-        raise StorageError(key, f"cannot reach {s}://{bucket}: {error_text(e)}") from None
+    except Exception as e:  # noqa: BLE001 - no credentials, no network: say what the store said
+        raise _unreachable(key, p, e, t0) from None
     if not found:
         raise StorageError(key, f"{p}: no bucket {s}://{bucket} (or no access to it)")
 
