@@ -14,6 +14,7 @@ Each worker runs scripts/tpu_worker.sh. --dry-run prints each command instead of
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import io
 import os
@@ -105,7 +106,8 @@ def _on_worker(path: Path) -> str:
 def user_configs(config: str) -> tuple[str, dict[str, bytes]]:
     """(the config's path on the worker, {worker path: contents} of the chain's files outside the checkout,
     their base_config lines made relative so they point at the copies)."""
-    chain = [path for path, _ in config_lib.config_chain(config_lib.config_path(config))]
+    chain = [path for path, _ in config_lib.config_chain(config_lib.config_path(config))] or \
+        [config_lib.config_path(config).resolve()]  # base.yml itself
     extra = {}
     for i, path in enumerate(chain):
         if path.is_relative_to(REPO):
@@ -117,7 +119,7 @@ def user_configs(config: str) -> tuple[str, dict[str, bytes]]:
             text = "\n".join(f"base_config: {there}  # on the TPU workers; here: {line.split(':', 1)[1].strip()}"
                              if line.startswith("base_config:") else line for line in text.splitlines()) + "\n"
         extra[_on_worker(path)] = text.encode()
-    return _on_worker(chain[0]) if chain else config, extra
+    return _on_worker(chain[0]), extra
 
 
 def archive(files: list[str], extra: dict[str, bytes], directory: Path) -> Path:
@@ -137,7 +139,6 @@ def archive(files: list[str], extra: dict[str, bytes], directory: Path) -> Path:
             info.size, info.mode, info.mtime = len(data), mode, 0
             tar.addfile(info, io.BytesIO(data))
             digest.update(name.encode() + b"\0" + data)
-    import gzip
     out = directory / f"maxtrain-{digest.hexdigest()[:12]}.tar.gz"
     out.write_bytes(gzip.compress(buffer.getvalue(), mtime=0))
     return out
