@@ -38,7 +38,7 @@ find_python() {  # $MAXTRAIN_PYTHON, or a Python >= 3.12 on PATH, or uv's CPytho
 }
 
 setup() {  # archive extras
-  local archive=$1 extras=$2 want uv
+  local archive=$1 extras=$2 want
   [[ -f $archive ]] || { say "no archive $archive"; exit 2; }
   rm -rf "$code.new" && mkdir -p "$code.new" && tar -xzf "$archive" -C "$code.new"
   rm -rf "$code" && mv "$code.new" "$code"
