@@ -9,7 +9,7 @@
 #   tpu_worker.sh status | logs [--follow] | stop
 #
 # start: unpacks the code; makes a venv with a Python >= 3.12: $MAXTRAIN_PYTHON, else one on PATH, else uv's
-# CPython 3.12 (`uv python install 3.12`, ~20 s; TPU VM images have 3.10; uv itself is pip-installed for
+# CPython 3.12 (`uv python install 3.12`, a download; TPU VM images have 3.10; uv itself is pip-installed for
 # the user where missing); installs maxtrain[EXTRAS] into it (~1 min for [tpu]), again only when
 # pyproject.toml or the extras changed; then starts
 # training detached (setsid nohup: it runs on when the ssh session ends), output to run/worker.log. A
