@@ -256,7 +256,7 @@ class CloudLog:
     """ml-goodput-measurement's Cloud Logging client, as a list: what the recorder writes, the calculator reads."""
 
     def __init__(self, fail_after=None):
-        self.entries, self.job_start_time, self.fail_after = [], None, fail_after
+        self.entries, self.job_start_time, self.fail_after, self.flushed = [], None, fail_after, 0
 
     def write_cloud_logging_entry(self, entry):
         if self.fail_after is not None and len(self.entries) >= self.fail_after:
@@ -264,7 +264,7 @@ class CloudLog:
         self.entries.append(entry)
 
     def flush(self):
-        pass
+        self.flushed += 1
 
     def read_cloud_logging_entries(self, *args, **kwargs):
         starts = [e["job_start_time"] for e in self.entries if "job_start_time" in e]
@@ -287,6 +287,7 @@ def test_with_enable_goodput_recording_the_ledger_also_goes_to_ml_goodput_measur
                    "enable_goodput_recording=true")
     assert names == [("cloud", "goodput_cloud")] * 2  # MaxText's job name and log
     assert sum("job_start_time" in e for e in log.entries) == sum("job_end_time" in e for e in log.entries) == 2
+    assert log.flushed == 2  # at each start's end: the queued entries are committed before the process exits
     assert [e["step_count"] for e in log.entries if "step_count" in e] == [0, 1, 2, 3, 4, 5, 6] + [6, 7, 8, 9, 10]
     causes = {e["custom_badput_event_type"] for e in log.entries if "custom_badput_event_type" in e}
     assert {"compile", "checkpoint", "restore"} <= causes, causes

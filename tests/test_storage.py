@@ -86,14 +86,11 @@ def test_a_store_that_cannot_be_reached_is_one_line_naming_it(monkeypatch, tmp_p
     import fsspec
     from maxtrain.checkpoint import loading
 
-    class Unreachable:
-        def __init__(self, *args, **kwargs):
-            pass
-
+    class Unreachable:  # fsspec.filesystem("gs"), as gcsfs is once its retries are spent
         def glob(self, *args, **kwargs):
             raise aiohttp.ClientConnectorError(None, OSError(111, "Connect call failed ('127.0.0.1', 9)"))
         exists = glob
-    monkeypatch.setattr(fsspec, "filesystem", Unreachable)
+    monkeypatch.setattr(fsspec, "filesystem", lambda protocol, **options: Unreachable())
     said = r"cannot reach gs://nobucket \(.*Connect call failed.*; the client retried for \d+ s\)"
     with pytest.raises(storage.StorageError, match=rf"^train_files: {said}$"):
         storage.glob("gs://nobucket/corpus/*.txt", "train_files")
