@@ -51,7 +51,7 @@ setup() {  # archive extras
     python=$(find_python)
     "$python" -m venv "$venv"
   fi
-  "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
+  new_enough "$venv/bin/python" \
     || { say "$venv has $("$venv/bin/python" -V); maxtrain needs Python 3.12 or newer: remove $venv"; exit 2; }
   "$venv/bin/python" -m pip install --quiet -e "$code[$extras]"
   echo "$want" > "$venv/.maxtrain-installed"

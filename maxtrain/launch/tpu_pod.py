@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from maxtrain.config import load as config_lib
-from maxtrain.config.keys import ConfigError
-from maxtrain.runtime import errors
+from maxtrain.config.keys import PATH_KEYS, ConfigError
+from maxtrain.runtime import errors, storage
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_SCRIPT = "scripts/tpu_worker.sh"
@@ -38,8 +38,6 @@ RUNTIMES = {"v4": "tpu-ubuntu2204-base", "v5litepod": "v2-alpha-tpuv5-lite", "v5
             "v6e": "v2-alpha-tpuv6e"}
 ACCELERATOR_NAMES = {"v5e": "v5litepod"}  # what gcloud calls v5e
 MEGASCALE_PORT = "8080"  # multislice: the port slices join on (MaxText's multihost runner's)
-DATA_KEYS = ("train_files", "eval_files", "tokenizer_path", "prepared_dir", "load_parameters_path",
-             "load_full_state_path", "prompt_file")
 
 
 def accelerator_and_runtime(accelerator: str, runtime: str | None) -> tuple[str, str]:
@@ -55,7 +53,7 @@ def accelerator_and_runtime(accelerator: str, runtime: str | None) -> tuple[str,
 
 
 def _local(value: str) -> bool:
-    return bool(value.strip()) and "://" not in value
+    return bool(value.strip()) and not storage.is_url(value)
 
 
 def check_for_a_pod(argv: list[str]):
@@ -65,7 +63,7 @@ def check_for_a_pod(argv: list[str]):
     if _local(c.base_output_directory):
         raise ConfigError("base_output_directory", f"{c.base_output_directory!r} is on each worker's disk, which "
                           "goes with its VM: set a gs:// bucket for a pod (e.g. base_output_directory=gs://BUCKET/runs)")
-    named = [(key, c[key]) for key in DATA_KEYS]
+    named = [(key, c[key]) for key in PATH_KEYS if key != "base_output_directory"]
     named += [(f"{key}.{name}.files", spec["files"]) for key in ("data_sources", "eval_sources")
               for name, spec in c[key].items()]
     for key, value in named:
@@ -156,8 +154,8 @@ class Pod:
         self.slices = [a.tpu] if a.num_slices == 1 else [f"{a.tpu}-{i}" for i in range(a.num_slices)]
 
     def run(self, argv: list[str], check: bool = True) -> int:
-        print(shlex.join(argv), flush=True) if self.dry else None
         if self.dry:
+            print(shlex.join(argv), flush=True)
             return 0
         code = subprocess.run(argv).returncode
         if check and code:
