@@ -73,8 +73,16 @@ class CompileError(errors.UserError):
     kind = "compile"
 
 
-LIBTPU_HINT = ('install it with `pip install -e ".[tpu]"` (or '
-               f'`pip install "jax[tpu]=={importlib.metadata.version("jax")}"`)')
+def _libtpu_pin() -> str:
+    """The tpu extra's libtpu requirement as installed maxtrain declares it (pyproject.toml)."""
+    for requirement in importlib.metadata.requires("maxtrain") or []:
+        if requirement.startswith("libtpu"):
+            return requirement.split(";")[0].strip()
+    return "libtpu"
+
+
+LIBTPU_HINT = f'install it with `pip install -e ".[tpu]"` (or `pip install "{_libtpu_pin()}"`)'
+
 
 
 def topology_desc(name: str, spec: str, num_slices: int):
