@@ -24,8 +24,8 @@ PYTHON is an interpreter with MaxText installed. MaxText needs Python >= 3.12, s
     python3.12 -m venv /tmp/mt && /tmp/mt/bin/pip install "maxtext[tpu]==0.2.4"
     python benchmarks/compare.py --maxtext /tmp/mt/bin/python
 
-MaxText's install resolves jax 0.12.0.1, as maxtrain pins, and libtpu 0.0.52; for the AOT rows on that one
-compiler, set TPU_LIBRARY_PATH=/tmp/mt/lib/python3.12/site-packages/libtpu/libtpu.so.
+MaxText's install resolves jax 0.12.0.1 and libtpu 0.0.52, as maxtrain's tpu extra pins them, so both sides'
+AOT rows compile on one compiler (for another, set TPU_LIBRARY_PATH=.../libtpu/libtpu.so on both).
 
 MaxText logs the wall time between step dispatches; its s/step is the mean of those after three steps
 (compile, and a first step that only queued), over `--steps` steps. "ratio here" is MaxText's s/step

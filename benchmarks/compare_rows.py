@@ -68,8 +68,7 @@ AOT = [
     ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
     ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
     # MaxText 0.2.4's own compile of its mixtral-8x7b, same settings (issue #23): arguments 8.16 + temporaries 15.54.
-    # MaxText's figures come from its own install's libtpu, 0.0.52 (the tpu extra's is 0.0.50.1): compare
-    # with TPU_LIBRARY_PATH naming 0.0.52's libtpu.so to run both sides on it.
+    # MaxText's figures come from its own install's libtpu, 0.0.52, the tpu extra's too.
     ("mixtral-8x7b v5p-128", ["model_name=mixtral-8x7b", "max_target_length=4096"], 23.70),
     # The same with the experts over 8 chips (each chip's experts take chunks of positions: the auto rule).
     ("mixtral-8x7b expert=8", ["model_name=mixtral-8x7b", "max_target_length=4096", "ici_expert_parallelism=8",

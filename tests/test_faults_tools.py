@@ -2,13 +2,14 @@
 restore does, an unwritable --out, a missing libtpu, a buffer that cannot fit and an unknown special
 token are each one line and an exit code, with nothing half-written."""
 
-import tomllib
+import importlib.metadata
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,12 @@ def tpu_extras_libtpu() -> str:
     """The libtpu requirement of pyproject.toml's tpu extra, read from the file itself."""
     extras = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     return next(r for r in extras["tpu"] if r.startswith("libtpu"))
+
+
+def test_the_installed_libtpu_is_the_tpu_extras():
+    """Every memory figure in the docs comes from the tpu extra's libtpu (MaxText's install takes the same):
+    the one these compile tests run on must be it."""
+    assert f"libtpu=={importlib.metadata.version('libtpu')}" == tpu_extras_libtpu()
 
 
 def test_compile_without_libtpu_is_one_line(tmp_path):
