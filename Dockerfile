@@ -1,5 +1,5 @@
 # maxtrain image for TPU VMs / GKE TPU node pools (default) or NVIDIA GPUs:
-#   docker build -t maxtrain .                          # TPU (jax[tpu], libtpu)
+#   docker build -t maxtrain .                          # TPU (jax and the pinned libtpu)
 #   docker build --build-arg ACCELERATOR=cuda -t maxtrain:cuda .   # GPU (jax[cuda12] wheels bundle CUDA)
 #   docker run --rm maxtrain configs/base.yml steps=20    # (GPU: docker run --gpus all ...)
 FROM python:3.12-slim
