@@ -75,14 +75,14 @@ class CompileError(errors.UserError):
 
 def _libtpu_pin() -> str:
     """The tpu extra's libtpu requirement as installed maxtrain declares it (pyproject.toml)."""
-    for requirement in importlib.metadata.requires("maxtrain") or []:
-        if requirement.startswith("libtpu"):
-            return requirement.split(";")[0].strip()
-    return "libtpu"
+    try:
+        requirements = importlib.metadata.requires("maxtrain") or []
+    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        requirements = []
+    return next((r.split(";")[0].strip() for r in requirements if r.startswith("libtpu")), "libtpu")
 
 
 LIBTPU_HINT = f'install it with `pip install -e ".[tpu]"` (or `pip install "{_libtpu_pin()}"`)'
-
 
 
 def topology_desc(name: str, spec: str, num_slices: int):
