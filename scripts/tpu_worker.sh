@@ -53,7 +53,8 @@ setup() {  # archive extras
   fi
   new_enough "$venv/bin/python" \
     || { say "$venv has $("$venv/bin/python" -V); maxtrain needs Python 3.12 or newer: remove $venv"; exit 2; }
-  "$venv/bin/python" -m pip install --quiet -e "$code[$extras]"
+  # --no-compile: modules are compiled as they are first imported, not every file of every package (about half the time)
+  "$venv/bin/python" -m pip install --quiet --no-compile -e "$code[$extras]"
   echo "$want" > "$venv/.maxtrain-installed"
   say "installed maxtrain[$extras] into $venv in $((SECONDS - t0)) s"
 }
