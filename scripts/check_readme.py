@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# 3 to 5 minutes each on 2 cores, a tenth of the whole suite: tests/test_readme.py resolves each for its topology
+# instead; tests/test_launch.py compiles small ones; benchmarks/compare.py gives the figures
+TPU_COMPILE = "a TPU compile of a full-size model (minutes): the fast tier resolves its config for the topology"
 SKIP = [  # (pattern, why): parts of a command line that are not run
     (r"^pip install\b", "installs: the environment is installed already"),
     (r"\bpytest\b", "the test command itself"),
@@ -46,6 +49,7 @@ SKIP = [  # (pattern, why): parts of a command line that are not run
     (r"^scripts/launch_(tpu_pod\.sh(?!.* --dry-run)|gke\.sh)\b", "needs a cloud project (tests/test_launch.py runs "
                                                               "its --dry-run)"),
     (r"^sbatch\b", "needs a SLURM cluster (tests/test_launch.py runs its --dry-run)"),
+    (r"\bmaxtrain\.compile\b.*\bcompile_topology=", TPU_COMPILE),
 ]
 HF_MODEL = "path/to/hf_model"
 # A page that runs what another page made (its checkpoints, its imported model) runs after it, in its checkout.
@@ -64,6 +68,7 @@ class Step:
     expect: list[str] = field(default_factory=list)  # lines its output must have ($ blocks)
     shape: list[str] = field(default_factory=list)   # sample lines some earlier output must match in shape
     file: str = "README.md"
+    written: str = ""               # the command line as the page has it (a skipped one's too)
 
 
 def _strip_comment(line: str) -> str:
@@ -118,7 +123,7 @@ def parse(readme: str, file: str = "README.md") -> list[Step]:
         if fence == "bash":
             for start, command in _commands(block):
                 run, why = _runnable(command)
-                steps.append(Step(start, run, "" if run else why, file=file))
+                steps.append(Step(start, run, "" if run else why, file=file, written=command))
         elif fence == "" and block:
             if block[0][1].startswith("$ "):
                 step = None

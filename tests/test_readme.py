@@ -4,6 +4,7 @@ README shows (scripts/check_readme.py); and that script reads a README as a newc
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,24 @@ def test_the_readme_is_short_and_links_every_page_of_the_reference():
     for page in [readme, *pages, TESTS.parent / "benchmarks" / "README.md"]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links {target}, which does not exist"
+
+
+def test_the_pages_tpu_compiles_resolve_for_their_topology(monkeypatch):
+    """The page check does not run the pages' `maxtrain.compile` commands (each compiles a full-size model for
+    minutes); each one's config loads, resolves for its topology's devices and passes the activation floor."""
+    from maxtrain import compile as compile_lib
+    from maxtrain.config import load as config_lib, resolve
+    from maxtrain.observe import fit
+    monkeypatch.chdir(TESTS.parent)
+    order = check_readme.reading_order(TESTS.parent / "README.md")
+    skipped = [s for page in order for s in check_readme.parse(page.read_text(), check_readme.page_name(page))
+               if s.skip == check_readme.TPU_COMPILE]
+    assert len(skipped) >= 3  # scaling.md's, parallelism.md's and models.md's
+    for step in skipped:
+        args = shlex.split(step.written)
+        args = args[args.index("maxtrain.compile") + 1:]
+        c = config_lib.load(args)
+        _, _, hbm_per_chip, chips = compile_lib.topology(c.compile_topology)
+        devices = chips * c.compile_topology_num_slices
+        resolved = resolve.resolve(c, devices, c.compile_topology_num_slices, "tpu")
+        assert sum(fit.step_floor(resolved).values()) < hbm_per_chip * fit.GiB, step
