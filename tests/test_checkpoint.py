@@ -167,7 +167,7 @@ def test_kill_9_at_random_moments_resumes_to_the_same_params(tmp_path):
     kills = 0
     for attempt in range(8):
         proc = cli(*args, "run_name=killed", out=tmp_path)
-        if kills < 3:
+        if kills < 2:  # the goodput test kills a two-process job twice more
             wait_for_line(proc, "first step")
             time.sleep(rng.uniform(0.0, 1.5))  # somewhere in training, often mid async save
             if proc.poll() is None:
@@ -178,7 +178,7 @@ def test_kill_9_at_random_moments_resumes_to_the_same_params(tmp_path):
         code, out, err = finish(proc)
         assert code == 0, err[-2000:]
         break
-    assert kills == 3
+    assert kills == 2
     ckpts = tmp_path / "killed" / "checkpoints"
     assert params_equal_bitwise(saved_params(ckpts / "24"), saved_params(tmp_path / "reference" / "checkpoints" / "24"))
 
@@ -200,21 +200,19 @@ def test_interrupted_save_is_skipped_with_a_warning(tmp_path):
 
 @pytest.mark.slow
 def test_bad_checkpoints_give_one_line_and_exit_2(tmp_path):
-    code, _, err = finish(cli("steps=2", out=tmp_path))
+    v384 = "vocab_size=384"  # the byte tokenizer's: the text pipeline below resumes this run too
+    code, _, err = finish(cli("steps=2", v384, out=tmp_path))
     assert code == 0, err[-2000:]
     # A different model shape under the same run name.
-    code, out, err = finish(cli("steps=4", "base_emb_dim=32", out=tmp_path))
+    code, out, err = finish(cli("steps=4", v384, "base_emb_dim=32", out=tmp_path))
     assert code == 2 and err.strip().startswith("checkpoint error:") and "base_emb_dim (checkpoint 64, config 32)" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     # Another optimizer chain (no clipping) under the same run name: the saved state does not fit.
-    code, out, err = finish(cli("steps=4", "gradient_clipping_threshold=0", out=tmp_path))
+    code, out, err = finish(cli("steps=4", v384, "gradient_clipping_threshold=0", out=tmp_path))
     assert code == 2 and "cannot resume this run with this config" in err, err[-2000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     # Another input pipeline: the saved data position (synthetic) does not fit grain's.
-    code, _, err = finish(cli("run_name=d", "steps=2", "vocab_size=384", out=tmp_path))
-    assert code == 0, err[-2000:]
-    code, out, err = finish(cli("run_name=d", "steps=4", "vocab_size=384", "dataset_type=text",
-                                f"train_files={SHAKESPEARE}", out=tmp_path))
+    code, out, err = finish(cli("steps=4", v384, "dataset_type=text", f"train_files={SHAKESPEARE}", out=tmp_path))
     assert code == 2 and "data position" in err and "Traceback" not in err, err[-2000:]
     # A path that does not exist.
     code, out, err = finish(cli("run_name=x", f"load_parameters_path={tmp_path}/nope", out=tmp_path))
@@ -224,7 +222,7 @@ def test_bad_checkpoints_give_one_line_and_exit_2(tmp_path):
     for f in (step / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"junk")
-    code, out, err = finish(cli("run_name=y", f"load_full_state_path={step}", out=tmp_path))
+    code, out, err = finish(cli("run_name=y", v384, f"load_full_state_path={step}", out=tmp_path))
     assert code == 2 and err.strip().startswith("checkpoint error: load_full_state_path:"), err[-2000:]
     assert "Traceback" not in err
 

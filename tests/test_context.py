@@ -52,8 +52,9 @@ def one_device(tmp_path_factory, documents):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("balance", BALANCE)
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh,balance", [  # each mesh once, each layout on two
+    ("context8", "balanced"), ("context2xtensor2xdata2", "balanced"),
+    ("context2", "unbalanced"), ("context4xfsdp2", "unbalanced")])
 def test_the_same_losses_on_every_context_mesh(train_tiny, one_device, mesh, balance):
     losses = train_tiny(*MODEL, *MESHES[mesh], *BALANCE[balance], "per_device_batch_size=1")["losses"]
     np.testing.assert_allclose(losses, one_device["synthetic"], rtol=RTOL)
@@ -61,16 +62,16 @@ def test_the_same_losses_on_every_context_mesh(train_tiny, one_device, mesh, bal
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["context8", "context4xfsdp2"])
+@pytest.mark.parametrize("mesh", ["context4xfsdp2"])  # context8: the ring's below
 def test_packed_documents_train_the_same(train_tiny, one_device, documents, mesh):
     losses = train_tiny(*MODEL, *documents, *MESHES[mesh], "per_device_batch_size=1")["losses"]
     np.testing.assert_allclose(losses, one_device["packed"], rtol=RTOL)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", [512, 4], ids=["one-chunk", "chunks-of-4"])
-@pytest.mark.parametrize("window", [0, 24], ids=["causal", "window24"])
-@pytest.mark.parametrize("mesh", ["context8", "context4xfsdp2"])
+@pytest.mark.parametrize("mesh,window,chunk", [  # each mesh, window and chunk once
+    ("context8", 24, 4), ("context4xfsdp2", 0, 512)],
+    ids=["context8-window24-chunks-of-4", "context4xfsdp2-causal-one-chunk"])
 def test_ring_attention_trains_as_one_device(train_tiny, tmp_path_factory, one_device, documents, mesh, window,
                                              chunk, monkeypatch):
     """context_parallel_strategy=ring, load-balanced, on packed documents: the 5 losses of one device. A
@@ -105,9 +106,8 @@ def test_the_ring_passes_blocks_and_gathers_no_sequence(tiny_config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel,mesh,balance", [
-    ("splash", mesh, balance) for mesh in ("context2", "context2xtensor2xdata2") for balance in BALANCE] + [
-    ("tokamax_splash", "context2xtensor2xdata2", "balanced")])
+@pytest.mark.parametrize("kernel,mesh,balance", [  # each kernel and each layout once, on the mesh of most axes
+    ("splash", "context2xtensor2xdata2", "unbalanced"), ("tokamax_splash", "context2xtensor2xdata2", "balanced")])
 def test_splash_under_context_parallelism_trains_the_same(train_tiny, tmp_path_factory, documents, kernel, mesh,
                                                           balance):
     """The Pallas kernel (interpret mode on CPU) on each device's queries against the gathered keys, its
@@ -238,12 +238,11 @@ def test_chunked_loss_and_mlp_train_the_same(train_tiny, one_device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capacity", ["capacity_factor=-1", "capacity_factor=1.0"])
-def test_mixture_of_experts_under_context_parallelism(train_tiny, tmp_path_factory, capacity):
+def test_mixture_of_experts_under_context_parallelism(train_tiny, tmp_path_factory):
     """The experts' shard_map takes each device's own positions; the capacity rule still counts per
-    sequence and in order of position (not of the load-balanced layout): the losses of one device,
-    dropless and with drops."""
-    moe = (*MODEL, "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", capacity)
+    sequence and in order of position (not of the load-balanced layout): the losses of one device, with
+    drops (dropless, the same shard_map without the rule, was a second case of 50 s)."""
+    moe = (*MODEL, "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0")
     losses = train_tiny(*moe, *MESHES["context4xfsdp2"], "per_device_batch_size=1")["losses"]
     np.testing.assert_allclose(losses, reference_losses(tmp_path_factory, *moe), rtol=RTOL)
 
@@ -265,8 +264,7 @@ def test_splash_block_map_of_the_load_balanced_layout():
     (("max_target_length=256", "attention=splash"), 200),  # a 256-token buffer: splash's blocks per device
     (("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0"), 62),
     (("context_parallel_strategy=ring",), 62),  # the prompt's prefill round the ring
-    (("max_target_length=256", "attention=tokamax_splash"), 200),
-], ids=["splash", "moe-capacity", "ring", "tokamax_splash"])
+], ids=["splash", "moe-capacity", "ring"])  # tokamax_splash: as splash, the next test
 def test_generation_under_context_parallelism_matches_one_device(tiny_config, model, prompt_length):
     """Decoding's prefill is in sequence order (not training's load-balanced layout) and padded to what the
     context axis and splash take; the decode steps run on every context device alike: the same greedy tokens
@@ -282,7 +280,7 @@ def test_generation_under_context_parallelism_matches_one_device(tiny_config, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [(), ("ici_context_parallelism=2",)], ids=["fsdp8", "context2xfsdp4"])
+@pytest.mark.parametrize("mesh", [("ici_context_parallelism=2",)], ids=["context2xfsdp4"])
 def test_tokamax_splash_decodes_the_same_greedy_tokens_as_splash(tiny_config, mesh):
     """The same parameters, prompt and greedy decoding under JAX's splash and Tokamax's (interpreted)."""
     def tokens(kernel):

@@ -15,13 +15,14 @@ import pytest
 
 import corpus
 from maxtrain.data import pipeline as data, prepare as prepare_lib, rows as rows_lib, sources
+from maxtrain import prepare as prepare_main
 from maxtrain.data.prepared import Corpus, PreparedReader
 from maxtrain.data.streamed import Stream, StreamedRows
 from maxtrain.config.keys import ConfigError
 from maxtrain.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, make_tokenizer
 
 from conftest import SHAKESPEARE, TESTS, xla_flags
-from helpers import Output, Run, one_line, popen_as_from_a_terminal, run_cli
+from helpers import Output, Run, main_in_process, one_line, popen_as_from_a_terminal, run_cli
 
 REPO = TESTS.parent
 
@@ -467,7 +468,7 @@ def refused(run, code, expected):
 
 
 @pytest.mark.slow
-def test_bad_inputs_name_the_file(tmp_path, tiny_config):
+def test_bad_inputs_name_the_file(tmp_path, tiny_config, capsys):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
     (tmp_path / "nofield.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "garbage.model").write_bytes(b"\x00garbage")
@@ -510,7 +511,13 @@ def test_bad_inputs_name_the_file(tmp_path, tiny_config):
          "config error: tokenizer_path:"),
     ]
     for args, expected in cases:
-        refused(cli(*args, tmp_path=tmp_path), 2, expected)
+        if expected.startswith("config error:"):  # found before any device is touched: no process of its own
+            argv = [str(REPO / "configs" / "base.yml"), *TEXT, "steps=2", *args,
+                    f"base_output_directory={tmp_path / 'out'}"]
+            code, err = main_in_process(argv, capsys)
+            refused(Run(code, "", err, 0.0), 2, expected)
+        else:
+            refused(cli(*args, tmp_path=tmp_path), 2, expected)
         assert not (tmp_path / "out").exists()
 
 
@@ -561,7 +568,7 @@ def test_a_file_found_bad_mid_run_stops_it_and_keeps_the_checkpoints(tmp_path, t
 
 @pytest.mark.slow
 def test_shakespeare_eval_loss_goes_down(tmp_path):
-    proc = run_cli("configs/shakespeare.yml", "steps=40", "eval_interval=20", "eval_steps=5", "max_target_length=128",
+    proc = run_cli("configs/shakespeare.yml", "steps=24", "eval_interval=12", "eval_steps=5", "max_target_length=128",
                    "per_device_batch_size=4", "enable_checkpointing=false", "run_name=shakespeare", out=tmp_path,
                    devices=1)
     assert proc.code == 0, proc.err[-2000:]
@@ -666,7 +673,7 @@ def test_prepare_on_a_full_disk_is_one_line_and_keeps_its_shards(tmp_path):
 
 
 @pytest.mark.slow
-def test_prepare_refuses_bad_requests_in_one_line(tmp_path):
+def test_prepare_refuses_bad_requests_in_one_line(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     corpus.make(tmp_path / "corpus", 1, 5)
     cases = [
@@ -679,10 +686,13 @@ def test_prepare_refuses_bad_requests_in_one_line(tmp_path):
         ((f"train_files={tmp_path}/corpus/*", f"prepared_dir={tmp_path}/t", "prepare_workers=0"),
          "config error: prepare_workers: must be -1 (auto) or positive"),
     ]
-    for args, expected in cases:
-        proc = prepare_cli(*args, tmp_path=tmp_path)
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2 and err.startswith(expected) and len(err.strip().splitlines()) == 1, (args, err)
+    for args, expected in cases[1:]:  # in this process: each is refused before any work starts
+        code = prepare_main.main([str(REPO / "configs" / "base.yml"), *args])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(expected) and len(err.strip().splitlines()) == 1, (args, err)
+    proc = prepare_cli(*cases[0][0], tmp_path=tmp_path)  # and as a user runs it
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.startswith(cases[0][1]) and len(err.strip().splitlines()) == 1, err
     help_ = subprocess.run([sys.executable, "-m", "maxtrain.prepare", "--help"], capture_output=True, text=True, cwd=REPO)
     assert help_.returncode == 0 and help_.stdout.startswith("usage: python -m maxtrain.prepare CONFIG.yml")
 

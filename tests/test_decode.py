@@ -55,13 +55,14 @@ def imported(tmp_path_factory):
     return get
 
 
-def but_one(values, fast):
-    """The values as parameters, all but `fast` slow (the fast tier runs one case)."""
-    return [v if v == fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+# Each family on one or two meshes, each mesh with a dense and an MoE family (every pair was 12 cases, 125 s);
+# the first case is the fast tier's.
+SLOW_CASES = (("llama", "expert4xfsdp2"), ("qwen2", "1device"), ("mixtral", "expert4xfsdp2"), ("mixtral", "1device"),
+              ("qwen3_moe", "fsdp4xtensor2"))
 
 
-@pytest.mark.parametrize("mesh", but_one(MESHES, "fsdp4xtensor2"))
-@pytest.mark.parametrize("family", but_one(FAMILIES, "llama"))
+@pytest.mark.parametrize("family,mesh", [("llama", "fsdp4xtensor2"),
+                                         *(pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_CASES)])
 def test_greedy_ids_with_the_cache_equal_transformers_and_the_full_rerun(imported, family, mesh):
     _, greedy, yml = imported(family)
     devices, overrides = MESHES[mesh]

@@ -125,12 +125,13 @@ def test_the_floor_is_below_what_xla_planned_for_the_presets(model, chips, overr
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
-    (), ("remat_policy=none", "scan_layers=false"), ("dtype=bfloat16", "logits_dot_in_fp32=false"),
-    ("per_device_batch_size=4", "gradient_accumulation_steps=2", "max_target_length=128"),
+    ("remat_policy=none", "scan_layers=false"),
+    ("dtype=bfloat16", "logits_dot_in_fp32=false", "per_device_batch_size=4", "gradient_accumulation_steps=2",
+     "max_target_length=128"),
     ("per_device_batch_size=2", "max_target_length=512", "vocab_size=4096"),
     ("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "max_target_length=256"),
     ("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=64", "per_device_batch_size=4"),
-], ids=["tiny", "no_remat_unscanned", "bf16_logits", "accumulation", "long_wide_vocab", "context4", "moe"])
+], ids=["no_remat_unscanned", "bf16_logits_accumulation", "long_wide_vocab", "context4", "moe"])
 def test_the_floor_is_below_the_compiled_step(tiny_config, overrides):
     c = tiny_config(*overrides)
     trainer = train.step_lib.build(c, mesh_lib.make_mesh(c, jax.devices()))
@@ -240,8 +241,9 @@ def test_gloos_abort_in_a_collective_is_one_line(tmp_path, what, reason):
 
 @pytest.mark.slow
 def test_every_process_refusing_the_config_exits_2_with_its_line(tmp_path):
-    """Process 0 hosts the coordination service: when it left first, process 1 aborted natively (134)."""
-    for _ in range(3):
+    """Process 0 hosts the coordination service: when it left first, process 1 aborted natively (134). Twice:
+    which leaves first is a race."""
+    for _ in range(2):
         procs = start_job(tmp_path, "dataset_type=text", "vocab_size=384", f"train_files={REPO}/data/tinyshakespeare.txt",
                           "num_epochs=1")
         for p in procs:

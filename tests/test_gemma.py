@@ -135,8 +135,7 @@ MESHES = {"fsdp4xtensor2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("model", list(MESH_MODELS))
+@pytest.mark.parametrize("model,mesh", [("gemma3-tiny", "fsdp4xtensor2"), ("mistral-window", "expert4xfsdp2")])
 def test_the_same_losses_on_every_mesh(train_tiny, reference_losses, model, mesh):
     """5 steps of training in float32 on 1 device and on 8-device meshes: the same sums in other orders."""
     keys = (*MESH_MODELS[model], "dtype=float32")

@@ -142,9 +142,9 @@ def test_the_launcher_refuses_a_bad_restart_count():
 
 @pytest.mark.slow
 def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_killed(tmp_path):
-    """kill -9 of a random process of the job (a supervisor or its training child) at random steps, three
-    times: the launcher stops the rest and starts the job again each time, from the newest local copy; it ends
-    by itself with the params of a run never killed, and the ledger's lost steps are the steps trained twice."""
+    """kill -9 of a random process of the job (a supervisor or its training child) at random steps, twice:
+    the launcher stops the rest and starts the job again each time, from the newest local copy; it ends by
+    itself with the params of a run never killed, and the ledger's lost steps are the steps trained twice."""
     env = dict(os.environ, MAXTRAIN_LOG_DIR=str(tmp_path / "logs"), MAXTRAIN_DEVICES_PER_PROCESS="4",
                PYTHON=sys.executable)
     steps, period = 24, 4  # local copies every 4 steps, persistent ones every 20
@@ -166,7 +166,7 @@ def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_kille
             if len(begun) > start else []
         return steps[-1] if steps else -1
     try:
-        for start in range(3):
+        for start in range(2):
             deadline = time.time() + 300
             while time.time() < deadline and last_step(start) < 0 and proc.poll() is None:
                 time.sleep(0.05)
@@ -189,12 +189,12 @@ def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_kille
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
-    assert code == 0 and kills == 3, (kills, lines[-20:], err[-3000:])
+    assert code == 0 and kills == 2, (kills, lines[-20:], err[-3000:])
     restarts = [x for x in err.splitlines() if x.startswith("launch_local:")]
-    assert len(restarts) == 3 and all(re.fullmatch(r"launch_local: process [01] exited with code \d+; restart "
-                                                   r"[123] of 5: the whole job starts again", x) for x in restarts), err
+    assert len(restarts) == 2 and all(re.fullmatch(r"launch_local: process [01] exited with code \d+; restart "
+                                                   r"[12] of 5: the whole job starts again", x) for x in restarts), err
     assert lines[-2].startswith(f"done: {steps} steps") and lines[-1].startswith("goodput ")
-    assert any(re.match(r"goodput: [123] failures? in .* the Young-Daly interval, .* is about \d+ steps "
+    assert any(re.match(r"goodput: [12] failures? in .* the Young-Daly interval, .* is about \d+ steps "
                         r"\(local_checkpoint_period=4 now\)$", x) for x in lines), lines
     resumes = [x for x in lines if x.startswith("resumed from ")]
     assert resumes and all(" of the local tier " in x for x in resumes), resumes
@@ -209,12 +209,12 @@ def test_a_job_killed_again_and_again_restarts_itself_and_ends_as_if_never_kille
     # between hides that step from the printed lines (at most one a kill); the ledger's own record replays exactly.
     recorded = [e["step"] for e in goodput.read(run / goodput.FILE) if "step" in e]
     twice = len(trained) - len(set(trained))
-    assert s["restarts"] == 3 and s["steps_lost"] == len(recorded) - len(set(recorded)) <= period * 3, (s, trained)
-    assert twice <= s["steps_lost"] <= twice + 3, (s, trained)
+    assert s["restarts"] == 2 and s["steps_lost"] == len(recorded) - len(set(recorded)) <= period * 2, (s, trained)
+    assert twice <= s["steps_lost"] <= twice + 2, (s, trained)
     assert s["badput"]["down"] > 0 and s["badput"]["restore"] > 0
     assert parts(s) == pytest.approx(s["wall_s"], rel=1e-3) and s["badput"]["other"] <= 0.02 * s["wall_s"]
     assert abs(s["wall_s"] - wall) <= 0.02 * wall, (s, wall)
-    assert f"{100 * s['goodput']:.1f}% over 3 restarts" in lines[-1]
+    assert f"{100 * s['goodput']:.1f}% over 2 restarts" in lines[-1]
 
 
 def test_the_checkpoint_interval_advice_from_the_saves_and_the_expected_failures(tiny_config):

@@ -56,8 +56,9 @@ def gpt_oss_reference(args, params, x):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["blocked", "ragged_dot", "tokamax"])
-@pytest.mark.parametrize("mesh", [None, "expert4xfsdp2", "expert2xtensor2xdata2"])
+@pytest.mark.parametrize("method,mesh", [  # each method on two meshes, each mesh with two methods
+    ("blocked", None), ("blocked", "expert2xtensor2xdata2"), ("ragged_dot", "expert4xfsdp2"), ("ragged_dot", None),
+    ("tokamax", "expert2xtensor2xdata2"), ("tokamax", "expert4xfsdp2")])
 def test_moe_block_equals_the_reference(tiny_config, method, mesh):
     args, c = block_args(tiny_config, *GPT_OSS_MOE, *mesh_overrides(MESHES[mesh or "expert1"]),
                          moe_grouped_matmul=method)
@@ -277,14 +278,15 @@ GPT_OSS_TINY = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true",
                 "attention_out_bias=true", "attention_sinks=true", "sliding_window_size=8", "global_layer_interval=2",
                 "rope_type=yarn", "rope_scaling_factor=4.0", "rope_original_max_position_embeddings=16",
                 "rope_yarn_truncate=false", *GPT_OSS_MOE)
-MESH_RUNS = {"fsdp4xtensor2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
-             "expert4xfsdp2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2")}
+# expert, tensor and fsdp in one mesh (each a run of 40 to 70 s; a fault of any shows here)
+MESH_RUNS = {"expert2xtensor2xfsdp2": ("ici_expert_parallelism=2", "ici_tensor_parallelism=2",
+                                       "ici_fsdp_parallelism=2")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESH_RUNS))
 def test_the_same_losses_on_every_mesh(train_tiny, reference_losses, mesh):
-    """5 steps of training, float32, sequences of 4 windows: one device, fsdp 4 x tensor 2, expert 4 x fsdp 2."""
+    """5 steps of training, float32, sequences of 4 windows: one device, and expert 2 x tensor 2 x fsdp 2."""
     one = reference_losses(*GPT_OSS_TINY, "per_device_batch_size=8")
     assert len(one) == 5 and one[-1] < one[0]
     losses = train_tiny(*GPT_OSS_TINY, *MESH_RUNS[mesh], f"run_name={mesh}")["losses"]

@@ -110,7 +110,7 @@ def test_export_is_bitwise_and_reloads_in_transformers(tmp_path, step, scan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", [1, 2])
+@pytest.mark.parametrize("step", [2])  # MoE and dense layers interleaved: every layer of both kinds
 def test_greedy_generation_matches_transformers(tmp_path, step):
     model = random_llama4(interleave_moe_layer_step=step)
     _, c, trainer, params = imported(tmp_path, model)
@@ -188,15 +188,16 @@ def test_the_family_counts_its_parameters_as_its_model_and_transformers_do(tiny_
 
 LLAMA4_TINY = ("model_name=llama4-tiny", "chunk_attn_window_size=8", "temperature_tuning_floor_scale=4",
                "interleave_moe_layer_step=2")
-MESH_RUNS = {"expert4xfsdp2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
-             "context2xfsdp4": ("ici_context_parallelism=2", "ici_fsdp_parallelism=4")}
+# expert, context and fsdp in one mesh (each a run of 50 to 80 s; a fault of any shows here)
+MESH_RUNS = {"expert2xcontext2xfsdp2": ("ici_expert_parallelism=2", "ici_context_parallelism=2",
+                                        "ici_fsdp_parallelism=2")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESH_RUNS))
 def test_the_same_losses_on_every_mesh(train_tiny, reference_losses, mesh):
     """5 steps of training, float32, sequences of 4 chunks, MoE and dense layers interleaved (a scanned step of
-    two layers): one device, expert 4 x fsdp 2, context 2 x fsdp 4."""
+    two layers): one device, and expert 2 x context 2 x fsdp 2."""
     one = reference_losses(*LLAMA4_TINY, "per_device_batch_size=8")
     assert len(one) == 5 and one[-1] < one[0]
     losses = train_tiny(*LLAMA4_TINY, *MESH_RUNS[mesh], f"run_name={mesh}")["losses"]

@@ -129,7 +129,8 @@ def test_a_local_directory_that_cannot_be_written_is_one_line(tmp_path):
 @pytest.mark.parametrize("layout, peers", [("dcn_data_parallelism=2", True), ("dcn_fsdp_parallelism=2", False)])
 def test_a_replaced_host_gets_its_local_shards_from_a_peer(tmp_path, layout, peers):
     """Two processes; process 1's local copies are lost (a replaced host). With data-parallel replicas across
-    processes the job still resumes from the newest local step, bit for bit; without, from the persistent tier."""
+    processes the job still resumes from the newest local step, bit for bit (against a job never interrupted);
+    without, every process from the persistent tier's step (the persistent tier's exact resume is tested apart)."""
     env = dict(os.environ, MAXTRAIN_LOG_DIR=str(tmp_path / "logs"), MAXTRAIN_DEVICES_PER_PROCESS="4",
                PYTHON=sys.executable)
 
@@ -139,7 +140,8 @@ def test_a_replaced_host_gets_its_local_shards_from_a_peer(tmp_path, layout, pee
                               cwd=TESTS.parent, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done.stdout
-    launch("steps=9", "run_name=reference", local=False)
+    if peers:
+        launch("steps=9", "run_name=reference", local=False)
     launch("steps=7")
     shutil.rmtree(tmp_path / "r" / "checkpoints" / "7")
     shutil.rmtree(tmp_path / "local" / "r" / "process_1")
@@ -152,6 +154,7 @@ def test_a_replaced_host_gets_its_local_shards_from_a_peer(tmp_path, layout, pee
         assert re.search(r"resumed from step 5 of the persistent tier \(.*\): the local tier's step 6 is unusable "
                          r"\(processes \[1\] could not read their copies and the mesh holds no replica of their shards "
                          r"on another process; \d+ arrays differ from their checksums", out), out
+        return
     ours, reference = (saved_arrays(tmp_path / run / "checkpoints" / "9" / "state") for run in ("r", "reference"))
     assert same_bits(ours, reference)
 

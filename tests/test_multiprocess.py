@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -36,16 +35,14 @@ def launch(tmp_path, *args, timeout=600, env=None):
 
 def losses(run_dir):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/loss"] for r in rows if "start" not in r]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("two_process,one_process", [
-    (("ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2"), ("ici_fsdp_parallelism=8",)),
+    # fsdp across the processes is test_checkpoints_move_between_two_processes_and_one's mesh
     (("ici_fsdp_parallelism=4", "dcn_data_parallelism=2"), ("ici_data_parallelism=2", "ici_fsdp_parallelism=4")),
-    (("ici_context_parallelism=4", "ici_fsdp_parallelism=1", "dcn_data_parallelism=1", "dcn_context_parallelism=2"),
-     ("ici_context_parallelism=8", "ici_fsdp_parallelism=1")),
-    # Text: the two processes split every row's positions, so both read the same documents.
+    # Context across the processes, with text: the two split every row's positions, so both read the same documents.
     (("ici_context_parallelism=4", "ici_fsdp_parallelism=1", "dcn_data_parallelism=1", "dcn_context_parallelism=2",
       *TEXT), ("ici_context_parallelism=8", "ici_fsdp_parallelism=1", *TEXT)),
     # The pipeline's stages across the processes: only activations cross between them.
@@ -53,7 +50,7 @@ def losses(run_dir):
       "num_pipeline_microbatches=4", "num_pipeline_repeats=2", "per_device_batch_size=2"),
      ("ici_fsdp_parallelism=4", "ici_pipeline_parallelism=2", "base_num_decoder_layers=4",
       "num_pipeline_microbatches=4", "num_pipeline_repeats=2", "per_device_batch_size=2")),
-], ids=["fsdp8", "dcn_data2xfsdp4", "dcn_context2xcontext4", "dcn_context2_text", "dcn_pipeline2xfsdp4"])
+], ids=["dcn_data2xfsdp4", "dcn_context2_text", "dcn_pipeline2xfsdp4"])
 def test_two_processes_match_one(tmp_path, train_tiny, two_process, one_process):
     proc = launch(tmp_path, "run_name=multi", "steps=10", *two_process)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -66,29 +63,23 @@ def test_two_processes_match_one(tmp_path, train_tiny, two_process, one_process)
 
 
 @pytest.mark.slow
-def test_samples_during_training_on_two_processes_match_one(tmp_path, train_tiny, capsys):
-    """Decoding with the KV cache across processes: the prompts go to every process's devices, the ids come
-    back whole to each, and process 0 prints what one process prints."""
-    sample = ("vocab_size=384", "sample_interval=3", 'sample_prompts=["ROMEO:", "To be"]', "max_new_tokens=8",
-              "temperature=0.9")
-    proc = launch(tmp_path, "run_name=multi", "steps=3", "ici_fsdp_parallelism=4", "dcn_data_parallelism=1",
-                  "dcn_fsdp_parallelism=2", *sample)
+def test_checkpoints_move_between_two_processes_and_one(tmp_path, train_tiny, capsys):
+    """fsdp over both processes: saved by two and resumed by one, and back; the samples during training too
+    (decoding with the KV cache across processes: the prompts go to every process's devices, the ids come back
+    whole to each, and process 0 prints what one process prints)."""
+    sample = ("sample_interval=3", 'sample_prompts=["ROMEO:", "To be"]', "max_new_tokens=8", "temperature=0.9")
+    ckpt = ("vocab_size=384", "enable_checkpointing=true", "checkpoint_period=3", "learning_rate_schedule_steps=12",
+            "ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2")
+    straight = train_tiny("run_name=straight", "vocab_size=384", "steps=12", "learning_rate_schedule_steps=12",
+                          *sample)["losses"]
+    single = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sample at step")]
+    # Saved by the two-process job, resumed by one process ...
+    proc = launch(tmp_path, "run_name=a", "steps=6", *ckpt, *sample)
     assert proc.returncode == 0, proc.stderr[-3000:]
     multi = [x for x in proc.stdout.splitlines() if x.startswith("sample at step")]
-    train_tiny("run_name=single", "steps=3", "ici_fsdp_parallelism=8", *sample)
-    single = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sample at step")]
-    assert multi == single and len(multi) == 2
-
-
-@pytest.mark.slow
-def test_checkpoints_move_between_two_processes_and_one(tmp_path, train_tiny):
-    ckpt = ("enable_checkpointing=true", "checkpoint_period=3", "learning_rate_schedule_steps=12",
-            "ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2")
-    straight = train_tiny("run_name=straight", "steps=12", "learning_rate_schedule_steps=12")["losses"]
-    # Saved by the two-process job, resumed by one process ...
-    proc = launch(tmp_path, "run_name=a", "steps=6", *ckpt)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = train_tiny("run_name=a", "steps=9", "enable_checkpointing=true", "learning_rate_schedule_steps=12")
+    assert len(multi) == 4 and multi == single[:4]  # two prompts at steps 3 and 6
+    resumed = train_tiny("run_name=a", "vocab_size=384", "steps=9", "enable_checkpointing=true",
+                         "learning_rate_schedule_steps=12")
     np.testing.assert_allclose(resumed["losses"], straight[6:9], rtol=RTOL)
     # ... and saved by one process (at 9), resumed by the two-process job.
     proc = launch(tmp_path, "run_name=a", "steps=12", *ckpt, env={"JAX_LOG_COMPILES": "1"})
@@ -108,28 +99,6 @@ def process_of(tmp_path, i):
     launched = [p for p in pids if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) not in pids]
     assert len(launched) == 1, f"process {i} of this job: found {sorted(pids)}"
     return launched[0]
-
-
-@pytest.mark.slow
-def test_a_dead_process_stops_the_job_within_the_heartbeat_bound(tmp_path):
-    """Kill process 1 mid-run: process 0 must exit with an error, not hang. Bound: heartbeat
-    timeout (10 s here) + detection and teardown; we allow 90 s."""
-    env = launch_env(tmp_path)
-    proc = subprocess.Popen([LAUNCH, "2", TINY, f"base_output_directory={tmp_path}", "steps=100000",
-                             "log_period=1", "distributed_heartbeat_timeout_seconds=10"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    output = Output(proc)
-    output.wait_for(re.escape("step      2/100000 |"), timeout=300)
-    os.kill(process_of(tmp_path, 1), signal.SIGKILL)
-    t0 = time.time()
-    try:
-        code, _, _ = output.finish(timeout=90)
-    except AssertionError:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("the surviving process did not exit within 90 s") from None
-    assert code != 0
-    print(f"job exited {time.time() - t0:.1f} s after the kill")
 
 
 FSDP8_2P = ("ici_fsdp_parallelism=4", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=2")
@@ -202,23 +171,20 @@ def checksums(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["prepared", "mixture"])
-def test_the_data_position_moves_between_process_counts(tmp_path, train_tiny, tiny_config, kind):
+def test_the_data_position_moves_between_process_counts(tmp_path, train_tiny, tiny_config):
     """Saved by 2 processes after 6 steps and resumed by 1 for 6 more, and saved by 1 and resumed by 2: the 12
-    global batches are those of an uninterrupted run, bitwise (each step's batch checksum). The mixture: a
-    prepared source and a streamed parquet one, with a stage at step 4 (a parquet source alone was a third case
-    of about 90 s: the mixture moves its position too)."""
+    global batches are those of an uninterrupted run, bitwise (each step's batch checksum). A mixture of a
+    prepared source and a streamed parquet one, with a stage at step 4: each kind's position and the mixture's
+    own move together (each alone was a case of 90 to 170 s that this one covers)."""
     import corpus
     from maxtrain.data import prepare as prepare_lib
     corpus.make(tmp_path / "corpus", 6, 60, formats=("parquet",))
     prepare_lib.run(tiny_config(f"train_files={tmp_path}/corpus/*", f"prepared_dir={tmp_path}/tok"),
                     say=lambda *_: None)
-    data = ("dataset_type=prepared", f"train_files={tmp_path}/tok")
-    if kind == "mixture":
-        mix = {"tok": {"files": f"{tmp_path}/tok", "weight": 0.7},
-               "pq": {"files": f"{tmp_path}/corpus/*.parquet", "weight": 0.3}}
-        stage = {"start_step": 4, "weights": {"tok": 0.2, "pq": 0.8}}
-        data = ("data_sources=" + json.dumps(mix), f"data_stages=[{json.dumps(stage)}]", "grain_shuffle_buffer_size=8")
+    mix = {"tok": {"files": f"{tmp_path}/tok", "weight": 0.7},
+           "pq": {"files": f"{tmp_path}/corpus/*.parquet", "weight": 0.3}}
+    stage = {"start_step": 4, "weights": {"tok": 0.2, "pq": 0.8}}
+    data = ("data_sources=" + json.dumps(mix), f"data_stages=[{json.dumps(stage)}]", "grain_shuffle_buffer_size=8")
     common = (*data, "vocab_size=384", "learning_rate_schedule_steps=12", "enable_checkpointing=true",
               "checkpoint_period=6")
     straight = train_tiny("run_name=straight", "steps=12", *common, "ici_fsdp_parallelism=8")["losses"]

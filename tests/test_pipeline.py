@@ -192,7 +192,7 @@ DEEPSEEK = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moe", [MOE, DEEPSEEK], ids=["mixtral", "deepseek"])
+@pytest.mark.parametrize("moe", [DEEPSEEK], ids=["deepseek"])  # routed experts as mixtral's, and more
 def test_moe_on_stage2_x_expert4_matches_single_device(train_tiny, moe):
     """The routing statistics and auxiliary losses are per micro-batch, as under gradient accumulation:
     the reference is one device accumulating the same 4 micro-batches."""
@@ -231,10 +231,9 @@ def test_a_checkpoint_saved_on_2_stages_resumes_on_1_and_4(train_tiny, tmp_path)
 @pytest.mark.parametrize("settings,mesh", [
     # int8 scales activations by their absmax over each micro-batch: the reference accumulates the same 4
     (("quantization=int8",), ("ici_fsdp_parallelism=4",)),
-    (("remat_policy=none",), ("ici_fsdp_parallelism=4",)),
     (("remat_policy=save_qkv_proj", "mlp_chunk_size=8", "loss_chunk_size=8"), ("ici_fsdp_parallelism=4",)),
     (("attention=dot_product",), ("ici_context_parallelism=2", "ici_fsdp_parallelism=2")),
-], ids=["int8", "remat_none", "save_qkv_proj_chunks", "context2"])
+], ids=["int8", "save_qkv_proj_chunks", "context2"])
 def test_pipeline_with_other_features_matches_single_device(train_tiny, settings, mesh):
     quantized = "quantization=int8" in settings
     # int8 scales activations by their absmax over a micro-batch: the reference accumulates the same 4; and

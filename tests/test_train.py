@@ -133,17 +133,6 @@ def test_dry_run_prints_parameter_table_and_memory(tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_quickstart_commands(tmp_path):
-    """The README's first training command on the embedded default config, shortened to 20 steps."""
-    proc = run_cli("configs/base.yml", "run_name=demo", "steps=20", f"base_output_directory={tmp_path}",
-                   devices=1)
-    assert proc.code == 0, proc.err[-2000:]
-    rows = [json.loads(x) for x in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["train/loss"] for r in rows if "start" not in r]
-    assert losses[-1] < losses[0]
-
-
-@pytest.mark.slow
 def test_compilation_cache_is_filled_and_gives_the_same_losses(tmp_path):
     cache = tmp_path / "xla_cache"
 
