@@ -17,8 +17,8 @@ TINY = ["base_num_decoder_layers=4", "base_emb_dim=128", "base_num_query_heads=4
         "weight_dtype=float32", "remat_policy=full", "scan_layers=true", "logits_dot_in_fp32=false"]
 # The small shape as a Mixtral-style MoE: 8 experts of the small MLP's width, top-2, the top-2 weights
 # renormalised (Mixtral's softmax over the chosen two), the same balancing-loss weight on both sides.
-MOE = SMALL + ["num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=1024", "load_balance_loss_weight=0.01",
-               "norm_topk_prob=true"]
+MOE = SMALL + ["model_family=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=1024",
+               "load_balance_loss_weight=0.01", "norm_topk_prob=true"]
 # Long context: the small model on 2048-token sequences, each split over 4 devices (context parallelism,
 # load-balanced on both sides, keys and values all-gathered: both frameworks' defaults), 2 sequences.
 CONTEXT = [x for x in SMALL if not x.startswith("max_target_length")] + ["max_target_length=2048",
@@ -46,18 +46,18 @@ MAXTEXT_ARGS = ["hardware=cpu", "skip_jax_distributed_system=true", "model_name=
                 "attention=dot_product", "dataset_type=synthetic", "enable_checkpointing=false",
                 "async_checkpointing=false", "enable_tensorboard=false", "jax_cache_dir=", "ici_fsdp_parallelism=-1"]
 # A row's MaxText keys where they differ from maxtrain's (key=value, over the row's and MAXTEXT_ARGS'; a key
-# with no value is dropped). The MoE row: MaxText's Mixtral block, whose router already takes the softmax over
-# the top-2 logits (so no norm_topk_prob). MaxText's Mixtral default is dropless sparse_matmul with the
-# megablox kernel, a Pallas kernel that off TPU runs in interpret mode; megablox=false keeps the dropless sparse
-# path on jax.lax.ragged_dot, which XLA:CPU runs (as a dense matmul per expert). That is MaxText's own dropless
-# MoE on CPU. sparse_matmul=false without a capacity factor is dropless too (every expert on every token, as
+# with no value is dropped). The MoE row: MaxText's Mixtral block (its decoder_block for maxtrain's
+# model_family), whose router already takes the softmax over the top-2 logits (so no norm_topk_prob).
+# MaxText's Mixtral default is dropless sparse_matmul with the megablox kernel, a Pallas kernel that off TPU
+# runs in interpret mode; megablox=false keeps the dropless sparse path on jax.lax.ragged_dot, which XLA:CPU
+# runs (as a dense matmul per expert). That is MaxText's own dropless MoE on CPU. sparse_matmul=false without a capacity factor is dropless too (every expert on every token, as
 # einsums) and on CPU the faster of the two: idle 2-core EPYC, runs minutes apart, 1.77-1.89 s/step against
 # ragged_dot's 2.2-2.5 (megablox interpreted: slower still); the ratio against it: 1.56-1.87x (2026-11-23).
 # The pipeline row: MaxText's stage holds 1 layer per visit by default (a circular schedule); 2 make it
 # GPipe's, as maxtrain's -1.
 MAXTEXT_ROW_KEYS = {
     "pipeline=2 fsdp=2": ["num_layers_per_pipeline_stage=2"],
-    "moe 8x top-2": ["decoder_block=mixtral", "norm_topk_prob", "sparse_matmul=true", "megablox=false",
+    "moe 8x top-2": ["decoder_block=mixtral", "model_family", "norm_topk_prob", "sparse_matmul=true", "megablox=false",
                      "capacity_factor=-1"],
 }
 SLICES_70B = ["model_name=llama3.1-70b", "compile_topology_num_slices=2", "ici_fsdp_parallelism=64",
@@ -110,7 +110,8 @@ AOT = [
 # MaxText places an 8 x 8 mesh on the 4x4x4 torus only when told it may split a torus dimension.
 MAXTEXT_AOT_EXTRA = {"gpt-oss-120b expert=8": ["ici_expert_parallelism=1", "ici_fsdp_parallelism=-1"],
                      "mixtral-8x7b expert=8": ["allow_split_physical_axes=true"],
-                     "deepseek-v2-lite v5p-64 expert=32": ["model_name=deepseek2-16b", "attention=flash", "sparse_matmul=true",
+                     "deepseek-v2-lite v5p-64 expert=32": ["model_name=deepseek2-16b", "attention=flash",
+                                                           "sparse_matmul=true",
                                                            "megablox=true", "ici_expert_parallelism=1",
                                                            "ici_fsdp_parallelism=-1"],
                      "deepseek-v3 v5p-256 expert=128": ["model_name=deepseek3-671b", "n_routing_groups=8",

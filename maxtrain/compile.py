@@ -24,7 +24,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 from maxtrain.config import help as cli_help, keys as config_keys, load as config_lib  # noqa: E402
-from maxtrain.config import platform_defaults, resolve  # noqa: E402
+from maxtrain.config import resolve  # noqa: E402
+from maxtrain.observe import settings  # noqa: E402
 from maxtrain.observe import fit, metrics, progress, summary  # noqa: E402
 from maxtrain.ops import grouped_matmul  # noqa: E402
 from maxtrain.parallel import mesh as mesh_lib  # noqa: E402
@@ -145,7 +146,7 @@ def compile_for(c_static: config_lib.Config) -> int:
     print(f"{c.compile_topology} x {c.compile_topology_num_slices} slice(s) ({spec}, {len(devices)} devices "
           f"{devices[0].device_kind}) | {c.num_params / 1e6:,.1f}M params{active} | mesh {c.mesh_shape} | "
           f"batch {c.global_batch_size} x {c.max_target_length} | remat {c.remat_policy} | "
-          f"{platform_defaults.summary(c)} | {c.weight_dtype} weights")
+          f"{settings.summary(c)} | {c.weight_dtype} weights")
     for note in trainer.notes:  # the pipeline's placement; dimensions left unsharded on an axis
         print(note)
     print(f"memory per device: {summary.format_memory(mem)} | HBM {hbm:.1f} GiB")

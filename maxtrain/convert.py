@@ -36,7 +36,8 @@ import yaml
 from maxtrain.checkpoint import hf_tokenizer as export_tokenizer, loading as ckpt_loading
 from maxtrain.checkpoint.param_reader import CheckpointParams, get_path
 from maxtrain.config import help as cli_help, load as config_lib
-from maxtrain.config import keys as config_keys
+from maxtrain.config import schema
+from maxtrain.config.groups import training as training_keys
 from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.runtime.errors import ConvertError
 from maxtrain.checkpoint.hf_format import HF_SIDE_FILES, SafetensorsDir, read_json, tokenizer_settings
@@ -74,7 +75,7 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
     base = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides])
     if config_path:  # the named config must describe this very model
         for key, value in hf_keys.items():
-            if base[key] != value and key not in config_keys.MODEL_TRAINING_KEYS:
+            if base[key] != value and key not in schema.in_group("model_training"):
                 raise ConvertError(f"{key}: {config_path} says {base[key]!r}, {hf_path}/config.json implies {value!r}")
     c = config_lib.load([config_path or str(config_lib.BASE_YML), *overrides,
                          *(f"{k}={_as_override(v)}" for k, v in hf_keys.items())])
@@ -107,8 +108,7 @@ def _hf_to_maxtrain(hf_path: Path, out_path, config_path: str | None, overrides:
         for name in HF_SIDE_FILES:
             if (hf_path / name).is_file():
                 shutil.copy(hf_path / name, tmp / "hf" / name)
-        settings = {k: c[k] for k in config_keys.PRESET_KEYS} | {"scan_layers": c.scan_layers,
-                                                               "weight_dtype": c.weight_dtype} | tokenizer
+        settings = {k: c[k] for k in schema.preset_keys()} | {"weight_dtype": c.weight_dtype} | tokenizer
         if config_path:
             settings = {"base_config": str(config_lib.config_path(config_path).absolute())} | settings  # a shipped one too
         settings["load_parameters_path"] = str(out_path)
@@ -204,7 +204,7 @@ def maxtrain_to_hf(checkpoint: str, out: str, dtype: str | None = None, max_posi
     if source:
         theirs = model_keys_from_hf(source)
         # A training setting (the balancing loss weight) goes out as the checkpoint has it.
-        differ = [k for k, v in theirs.items() if k in m and m[k] != v and k not in config_keys.MODEL_TRAINING_KEYS]
+        differ = [k for k, v in theirs.items() if k in m and m[k] != v and k not in schema.in_group("model_training")]
         if differ:
             raise ConvertError(f"--hf_source {source_dir}: {differ[0]} differs (HF config {theirs[differ[0]]!r}, "
                                f"checkpoint {m[differ[0]]!r})")
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("maxtrain_to_hf", help="maxtrain checkpoint step directory -> HF directory")
     exp.add_argument("--checkpoint", required=True, help="<run>/checkpoints/<step> or a converted directory")
     exp.add_argument("--out", required=True)
-    exp.add_argument("--dtype", choices=config_keys.DTYPES, help="default: the checkpoint's parameter dtype")
+    exp.add_argument("--dtype", choices=training_keys.DTYPES, help="default: the checkpoint's parameter dtype")
     exp.add_argument("--hf_source", help="HF directory whose other settings and tokenizer files to carry over "
                      "(default: found from an imported checkpoint or a run that started from one)")
     exp.add_argument("--max_position_embeddings", type=int, help="default: the model's (the HF source's, or "

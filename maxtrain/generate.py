@@ -16,7 +16,8 @@ import time
 
 from maxtrain.checkpoint import loading as ckpt_loading
 from maxtrain.config import help as cli_help, load as config_lib
-from maxtrain.config import keys as config_keys, validate as config_validate
+from maxtrain.config import keys as config_keys
+from maxtrain.config.groups import generate as generate_keys
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.infer.decode import Engine
 from maxtrain.infer.sampling import Sampling
@@ -69,7 +70,7 @@ def prompts_and_tokenizer(c: config_lib.Config):
                                       "prompt_file=FILE" + (f" (got {' and '.join(given)})" if given else ""))
     key = given[0]
     if key == "prompt_ids":  # the tokenizer is optional here: it only turns the output into text
-        prompts = [config_validate.prompt_token_ids(c.prompt_ids)]
+        prompts = [generate_keys.prompt_token_ids(c.prompt_ids)]
         try:
             tokenizer = tokenizer_lib.make_tokenizer(c)
         except config_keys.ConfigError as e:

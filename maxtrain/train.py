@@ -23,13 +23,14 @@ import time
 
 import jax
 
-from maxtrain.config import load as config_lib, platform_defaults, help as cli_help, run_name as run_name_lib
+from maxtrain.config import load as config_lib, help as cli_help, run_name as run_name_lib
 
-from maxtrain.config import validate as config_validate
+from maxtrain.config import schema as config_schema
 from maxtrain.launch import distributed, run_dir as run_dir_lib
 from maxtrain.runtime import errors, platform_env, storage
 from maxtrain.data import pipeline as data
-from maxtrain.observe import cloud_goodput, fit, goodput, writers as metric_writers, progress, run_record, summary
+from maxtrain.observe import cloud_goodput, fit, goodput, writers as metric_writers, progress, run_record
+from maxtrain.observe import settings, summary
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.training import optimizer, step as step_lib
 from maxtrain.launch.startup import load_config
@@ -47,7 +48,7 @@ def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
 
 def train(c: config_lib.Config, devices=None) -> dict:
     """Runs the config on `devices` (default: all). Returns per-step losses and the final state."""
-    for warning in config_validate.no_effect_warnings(c):
+    for warning in config_schema.no_effect_warnings(c):
         say(f"warning: {warning}")
     metric_writers.check_installed(c)
     cloud_goodput.check_installed(c)
@@ -55,9 +56,9 @@ def train(c: config_lib.Config, devices=None) -> dict:
     fit.check_activations(c, mesh)  # from the shapes alone: tracing or compiling a step far too large takes minutes
     trainer = step_lib.build(c, mesh)
     active = f" ({c.num_active_params:,} active)" if c.num_active_params != c.num_params else ""
-    say(f"maxtrain: {c.num_params:,} parameters{active} | mesh {c.mesh_shape} | global batch "
+    say(f"maxtrain: {c.num_params:,} parameters{active} | {c.model_family} | mesh {c.mesh_shape} | global batch "
         f"{c.global_batch_size} x {c.max_target_length} tokens | {optimizer.describe_schedule(c)} | remat {c.remat_policy} | "
-        f"{platform_defaults.summary(c)}")
+        f"{settings.summary(c)}")
     for note in trainer.notes:
         say(note)
     if c.dry_run:

@@ -242,7 +242,7 @@ def test_mixture_of_experts_under_context_parallelism(train_tiny, tmp_path_facto
     """The experts' shard_map takes each device's own positions; the capacity rule still counts per
     sequence and in order of position (not of the load-balanced layout): the losses of one device, with
     drops (dropless, the same shard_map without the rule, was a second case of 50 s)."""
-    moe = (*MODEL, "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0")
+    moe = (*MODEL, "model_family=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0")
     losses = train_tiny(*moe, *MESHES["context4xfsdp2"], "per_device_batch_size=1")["losses"]
     np.testing.assert_allclose(losses, reference_losses(tmp_path_factory, *moe), rtol=RTOL)
 
@@ -262,7 +262,8 @@ def test_splash_block_map_of_the_load_balanced_layout():
 @pytest.mark.slow
 @pytest.mark.parametrize("model,prompt_length", [
     (("max_target_length=256", "attention=splash"), 200),  # a 256-token buffer: splash's blocks per device
-    (("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0"), 62),
+    (("model_family=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "capacity_factor=1.0"),
+     62),
     (("context_parallel_strategy=ring",), 62),  # the prompt's prefill round the ring
 ], ids=["splash", "moe-capacity", "ring"])  # tokamax_splash: as splash, the next test
 def test_generation_under_context_parallelism_matches_one_device(tiny_config, model, prompt_length):

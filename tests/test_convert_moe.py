@@ -21,7 +21,7 @@ from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalL
 
 
 from maxtrain.config import load as config_lib
-from maxtrain.config import keys as config_keys
+from maxtrain.config import schema
 from maxtrain import convert
 from maxtrain.models import hf as hf_format
 from maxtrain.parallel import mesh as mesh_lib
@@ -154,13 +154,14 @@ def test_export_without_an_hf_source_picks_the_model_class(tmp_path, kind):
 
 @pytest.mark.slow
 def test_trained_moe_checkpoint_exported_gives_the_same_logits_in_transformers(tmp_path, train_tiny):
-    result = train_tiny("enable_checkpointing=true", "steps=2", "num_experts=4", "num_experts_per_tok=2",
-                        "norm_topk_prob=true", "use_qk_norm=true", "base_moe_mlp_dim=32")
+    result = train_tiny("enable_checkpointing=true", "steps=2", "model_family=qwen3_moe", "num_experts=4",
+                        "num_experts_per_tok=2", "norm_topk_prob=true", "use_qk_norm=true", "base_moe_mlp_dim=32")
     convert.maxtrain_to_hf(str(tmp_path / "tiny" / "checkpoints" / "2"), str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(model).__name__ == "Qwen3MoeForCausalLM"  # q/k norms
-    c = train.load_config([str(TESTS / "configs" / "tiny.yml"), "num_experts=4", "num_experts_per_tok=2",
-                           "norm_topk_prob=true", "use_qk_norm=true", "base_moe_mlp_dim=32", "attention=dot_product"])
+    c = train.load_config([str(TESTS / "configs" / "tiny.yml"), "model_family=qwen3_moe", "num_experts=4",
+                           "num_experts_per_tok=2", "norm_topk_prob=true", "use_qk_norm=true", "base_moe_mlp_dim=32",
+                           "attention=dot_product"])
     trainer = step_lib.build(c, mesh_lib.make_mesh(c))
     tokens = np.random.RandomState(1).randint(0, c.vocab_size, (8, 32))
     ours = maxtrain_logits(trainer, result["state"].params, tokens)
@@ -280,15 +281,15 @@ MOE = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true")
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (("shared_experts=1",), "shared_experts=1: neither Mixtral nor Qwen3-MoE"),
-    (("first_num_dense_layers=1",), "first_num_dense_layers=1: neither"),
-    (("routed_score_func=sigmoid",), "routed_score_func='sigmoid': neither"),
-    (("routed_bias=true",), "routed_bias=True: neither"),
-    (("routed_scaling_factor=2.5",), "routed_scaling_factor=2.5: neither"),
-    (("qkv_bias=true",), "qkv_bias=True: neither"),
-    (("norm_topk_prob=false",), "norm_topk_prob=false: Mixtral always renormalises"),
+    (("model_family=deepseek", "shared_experts=1"), "shared_experts=1: neither Mixtral nor Qwen3-MoE"),
+    (("model_family=deepseek", "first_num_dense_layers=1"), "first_num_dense_layers=1: neither"),
+    (("model_family=deepseek", "routed_score_func=sigmoid"), "routed_score_func='sigmoid': neither"),
+    (("model_family=deepseek", "routed_bias=true"), "routed_bias=True: neither"),
+    (("model_family=deepseek", "routed_scaling_factor=2.5"), "routed_scaling_factor=2.5: neither"),
+    (("model_family=deepseek", "qkv_bias=true"), "qkv_bias=True: neither"),
+    (("model_family=mixtral", "norm_topk_prob=false"), "norm_topk_prob=false: Mixtral always renormalises"),
     # a dense model with q/k norms exports as Qwen3 (maxtrain/models/qwen3.py), which has no q/k/v biases
-    (("num_experts=1", "num_experts_per_tok=1", "use_qk_norm=true", "qkv_bias=true"),
+    (("model_family=qwen3", "num_experts=1", "num_experts_per_tok=1", "use_qk_norm=true", "qkv_bias=true"),
      "qkv_bias=true: Qwen3 has no q/k/v biases"),
 ])
 def test_export_refuses_what_no_hf_moe_expresses(overrides, expected):
@@ -299,7 +300,7 @@ def test_export_refuses_what_no_hf_moe_expresses(overrides, expected):
 
 @pytest.mark.slow
 def test_export_refusal_through_the_cli(tmp_path, capsys, train_tiny):
-    train_tiny("enable_checkpointing=true", "steps=1", *MOE, "routed_scaling_factor=2.0")
+    train_tiny("enable_checkpointing=true", "steps=1", *MOE, "model_family=deepseek", "routed_scaling_factor=2.0")
     code = convert.main(["maxtrain_to_hf", "--checkpoint", str(tmp_path / "tiny" / "checkpoints" / "1"),
                          "--out", str(tmp_path / "hf")])
     err = capsys.readouterr().err.strip()
@@ -325,7 +326,8 @@ def test_export_of_a_dense_checkpoint_written_before_the_moe_keys(tmp_path):
     model.save_pretrained(tmp_path / "hf")
     out = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "mt"))
     metadata = out / "model" / "metadata"  # the model description, as an older maxtrain wrote it
-    old_keys = config_keys.MODEL_KEYS[:config_keys.MODEL_KEYS.index("qkv_bias") + 1] + ("scan_layers",)
+    keys = schema.model_keys()  # (from before model_family too: the family its keys describe)
+    old_keys = keys[keys.index("vocab_size"):keys.index("qkv_bias") + 1] + ("scan_layers",)
     metadata.write_text(json.dumps({k: v for k, v in json.loads(metadata.read_text()).items() if k in old_keys}))
     convert.maxtrain_to_hf(str(out), str(tmp_path / "back"))
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()

@@ -116,11 +116,11 @@ def test_each_decode_step_gives_the_full_forward_logits(imported, family, mesh):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
-    ("use_qk_norm=true", "logits_via_embedding=true"),
+    ("model_family=qwen3", "use_qk_norm=true", "logits_via_embedding=true"),
     ("rope_scaling_factor=8.0", "rope_original_max_position_embeddings=8", "rope_theta=500000.0"),
     # DeepSeek-like: a dense first layer, sigmoid routing with its bias, a shared expert
-    ("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "first_num_dense_layers=1", "shared_experts=1",
-     "routed_score_func=sigmoid", "routed_bias=true", "routed_scaling_factor=2.5"),
+    ("model_family=deepseek", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32",
+     "first_num_dense_layers=1", "shared_experts=1", "routed_score_func=sigmoid", "routed_bias=true", "routed_scaling_factor=2.5"),
 ], ids=["qk_norm-tied", "rope_scaling", "deepseek_like"])
 def test_the_other_model_options_decode_as_the_full_forward(tiny_config, overrides):
     devices = jax.devices()[:1]

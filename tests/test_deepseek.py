@@ -232,8 +232,9 @@ def test_forward_flops_of_latent_attention_match_xla_cost_analysis(tiny_config):
     """The FLOPs formula (MFU's numerator) with latent attention: its five projections and its scores over
     q/k heads of P + R and values of J; within 5% of XLA's count (which adds the elementwise work)."""
     c = tiny_config("scan_layers=false", "base_emb_dim=256", "base_mlp_dim=1024", "vocab_size=1024",
-                    "max_target_length=128", "remat_policy=none", "attention_type=mla", "base_num_kv_heads=4",
-                    "q_lora_rank=96", "kv_lora_rank=64", "qk_nope_head_dim=64", "qk_rope_head_dim=32", "v_head_dim=48",
+                    "max_target_length=128", "remat_policy=none", "model_family=deepseek", "attention_type=mla",
+                    "base_num_kv_heads=4", "q_lora_rank=96", "kv_lora_rank=64", "qk_nope_head_dim=64",
+                        "qk_rope_head_dim=32", "v_head_dim=48",
                     devices=jax.devices()[:1])
     xla, ours = xla_and_formula_flops(c)
     assert abs(xla - ours) / ours < 0.05, (xla, ours)
@@ -283,11 +284,11 @@ def test_export_refuses_what_deepseek_cannot_express(change, message):
     (("topk_routing_group=1", "num_experts_per_tok=3"), "num_experts_per_tok: 3 exceeds the 1 groups' 2 experts a "
                                                         "token may pick from"),
     (("mtp_num_layers=-1",), "mtp_num_layers: must be in [0, max_target_length=128), got -1"),
-    (("mtp_num_layers=63",), "mtp_num_layers: 63: at most 8 (DeepSeek-V3 trains with 1; each depth is a layer of "
+    (("mtp_num_layers=63",), "mtp_num_layers: 63 is out of range: at most 8 (DeepSeek-V3 trains with 1; each depth is a layer of "
                              "its own, unrolled in the step: compile time and memory grow with it)"),
     (("ici_pipeline_parallelism=2",), "mtp_num_layers: multi-token prediction cannot be pipelined yet "
                                       "(ici/dcn_pipeline_parallelism=1)"),
-    (("rope_yarn_mscale=-1",), "rope_yarn_mscale: must be >= 0 (0 = not set)"),
+    (("rope_yarn_mscale=-1",), "rope_yarn_mscale: must be >= 0 (0 = not set), got -1.0"),
 ])
 def test_config_refusals_name_the_key(change, message):
     with pytest.raises(config_lib.ConfigError) as e:
@@ -342,7 +343,8 @@ def test_mtp_depths_go_out_in_deepseeks_layout_and_come_back(tmp_path, tiny_conf
     embedding and the output); imported again, every parameter, the depth's included, is as it was."""
     from maxtrain.checkpoint import loading as ckpt_loading
     devices = jax.devices()[:1]
-    c = tiny_config("model_name=deepseek-v3-tiny", "dtype=float32", "vocab_size=96", f"base_output_directory={tmp_path}",
+    c = tiny_config("model_name=deepseek-v3-tiny", "dtype=float32",
+                    "vocab_size=96", f"base_output_directory={tmp_path}",
                     devices=devices)
     trainer = step_lib.build(c, mesh_lib.make_mesh(c, devices))
     with mesh_lib.activate(trainer.mesh, trainer.rules):

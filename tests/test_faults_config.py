@@ -3,7 +3,7 @@ run, path-like names, and settings that cannot take effect. Each refusal is one 
 
 import pytest
 
-from maxtrain.config import load as config, validate
+from maxtrain.config import load as config, schema
 from maxtrain.config.resolve import resolve
 from conftest import TINY, TESTS
 from helpers import main_in_process, one_line, run_cli
@@ -58,7 +58,7 @@ def test_yaml_merge_keys_still_override_and_shipped_configs_have_no_duplicates(t
 
 # ---- numbers that would overflow int32 or float32 --------------------------------------------------
 
-MOE = ("num_experts=4", "num_experts_per_tok=2")
+MOE = ("model_family=mixtral", "num_experts=4", "num_experts_per_tok=2")
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -86,10 +86,10 @@ MOE = ("num_experts=4", "num_experts_per_tok=2")
      "layer sees every key)"),
     (("sliding_window_size=8", "global_layer_interval=3"), "global_layer_interval: 3 exceeds "
      "base_num_decoder_layers=2: no layer would be global"),
-    (("local_rope_theta=0",), "local_rope_theta: must be > 0, or -1 (sliding layers use rope_theta)"),
+    (("local_rope_theta=0",), "local_rope_theta: must be > 0 or -1 (sliding layers use rope_theta), got 0.0"),
     (("rope_type=dynamic",), "rope_type: 'dynamic' is not one of llama3, linear, yarn"),
     (("mlp_activation=relu",), "mlp_activation: 'relu' is not one of silu, gelu_tanh, clamped_swiglu"),
-    (("mlp_activation_limit=0",), "mlp_activation_limit: must be > 0"),
+    (("mlp_activation_limit=0",), "mlp_activation_limit: must be > 0, got 0.0"),
     (("rope_yarn_beta_fast=1",), "rope_yarn_beta_fast: must exceed rope_yarn_beta_slow=1.0"),
     (("sliding_window_size=8", "global_layer_interval=2", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"),
      "global_layer_interval: a pattern of sliding and global layers cannot be pipelined yet "
@@ -144,7 +144,7 @@ def test_model_name_is_a_preset_name_not_a_path(name, capsys, tmp_path):
 
 def test_no_effect_warnings():
     def warnings(*overrides):
-        return validate.no_effect_warnings(config.load([TINY, *overrides]))
+        return schema.no_effect_warnings(config.load([TINY, *overrides]))
     assert warnings() == []
     assert warnings("eval_interval=2") == [
         "eval_interval: 2 has no effect: dataset_type=synthetic has no eval data"]

@@ -130,7 +130,7 @@ def test_the_floor_is_below_what_xla_planned_for_the_presets(model, chips, overr
      "max_target_length=128"),
     ("per_device_batch_size=2", "max_target_length=512", "vocab_size=4096"),
     ("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "max_target_length=256"),
-    ("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=64", "per_device_batch_size=4"),
+    ("model_family=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=64", "per_device_batch_size=4"),
 ], ids=["no_remat_unscanned", "bf16_logits_accumulation", "long_wide_vocab", "context4", "moe"])
 def test_the_floor_is_below_the_compiled_step(tiny_config, overrides):
     c = tiny_config(*overrides)

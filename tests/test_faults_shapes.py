@@ -183,7 +183,7 @@ def test_smollm2_width_on_fsdp_128_is_one_note():
     (("base_num_query_heads=9", "base_num_kv_heads=3", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=4"),
      "config error: base_num_query_heads: 9 is not divisible by ici_tensor_parallelism=2: the attention heads "
      "are split over the tensor axis (2)"),
-    (("num_experts=4", "base_emb_dim=100", "ici_fsdp_parallelism=8"),
+    (("model_family=mixtral", "num_experts=4", "base_emb_dim=100", "ici_fsdp_parallelism=8"),
      "config error: base_emb_dim: 100 is not divisible by ici_fsdp_parallelism=8 (8 shards): the expert weights "
      "are split over fsdp x context, evenly or not at all"),
 ])

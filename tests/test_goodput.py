@@ -294,7 +294,6 @@ def test_with_enable_goodput_recording_the_ledger_also_goes_to_ml_goodput_measur
     ours = goodput.summarize(goodput.read(tmp_path / "cloud" / goodput.FILE))
     calculator = GoodputCalculator("cloud", "goodput_cloud", cloud_logger=log, cache_dir=str(tmp_path))
     theirs, badput, last_step = calculator.get_job_goodput(include_badput_breakdown=True)
-    open("/tmp/entries.json", "w").write(json.dumps([log.entries, ours, theirs]))
     assert last_step == 10
     # The same seconds in the library's terms (its breakdown is in percent of the job's time, first start to
     # last end): everything before a start's first step is its training preparation; the saves between steps

@@ -274,7 +274,7 @@ def test_biases_and_sinks_take_no_weight_decay_and_all_train():
 # ---------------------------------------------------------------------------------------------
 # Training on every mesh
 
-GPT_OSS_TINY = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true", "qkv_bias=true",
+GPT_OSS_TINY = ("model_family=gpt_oss", "num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true", "qkv_bias=true",
                 "attention_out_bias=true", "attention_sinks=true", "sliding_window_size=8", "global_layer_interval=2",
                 "rope_type=yarn", "rope_scaling_factor=4.0", "rope_original_max_position_embeddings=16",
                 "rope_yarn_truncate=false", *GPT_OSS_MOE)

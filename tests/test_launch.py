@@ -232,7 +232,7 @@ spec = C.topology("v5p-128")[1]
 assert C.slice_shape(spec)["wrap"] == (True, True, True) and not any(C.slice_shape("v5p:2x4x4")["wrap"])
 devices = topologies.get_topology_desc(platform="tpu", topology_name=spec, **C.slice_shape(spec)).devices
 c = config_lib.load([str(config_lib.BASE_YML), "ici_fsdp_parallelism=8", "ici_expert_parallelism=8",
-                     "num_experts=8", "compile_topology=v5p-128"])
+                     "model_family=mixtral", "num_experts=8", "compile_topology=v5p-128"])
 mesh = mesh_lib.make_mesh(resolve(c, len(devices), 1, "tpu"), devices)
 print(dict(mesh.shape), len(set(mesh.devices.flat)))
 """

@@ -8,7 +8,7 @@ import pytest
 
 import maxtrain.ops.attention
 from maxtrain.config import load as config_lib
-from maxtrain.config.keys import MODEL_KEYS
+from maxtrain.config.schema import model_keys
 from maxtrain.models import registry
 from maxtrain.parallel import remat
 from maxtrain.models.args import ModelArgs, attention_of
@@ -212,10 +212,10 @@ def test_matmul_gradients_equal_autodiff(dtype):
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (config_lib.CONFIG_DIR / "models").glob("*.yml")))
 def test_a_models_parts_come_from_its_model_keys_alone(name):
-    """A checkpoint's model description (MODEL_KEYS) builds the same parts as the whole config: conversion and
+    """A checkpoint's model description (the model keys) builds the same parts as the whole config: conversion and
     the counts ask the parts without a run's settings."""
     c = config_lib.load([str(config_lib.BASE_YML), f"model_name={name}"])
-    m = {k: c[k] for k in MODEL_KEYS}
+    m = {k: c[k] for k in model_keys()}
     args = ModelArgs.from_config(c)
     assert (attention_of(m), GatedMLP.from_config(m), MoE.from_config(m), Norm.from_config(m)) == (
         args.attention, args.mlp, args.moe, args.norm)

@@ -25,7 +25,7 @@ from maxtrain.models.layers import MLP
 from maxtrain.ops import grouped_matmul as gmm
 from maxtrain.parallel.plan import Plan
 
-MOE = ("num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true")
+MOE = ("model_family=mixtral", "num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true")
 # Meshes of the 8 fake devices: (data, fsdp, expert, context, tensor).
 MESHES = {"expert1": (1, 8, 1, 1, 1), "expert8": (1, 1, 8, 1, 1), "expert4xfsdp2": (1, 2, 4, 1, 1),
           "expert2xtensor2xdata2": (2, 1, 2, 1, 2)}
@@ -219,9 +219,9 @@ def test_blocked_and_tokamax_matmuls_equal_ragged_dot_with_gradients():
     assert not np.any(np.asarray(gmm.grouped_matmul(x, w, sizes, "tokamax"))[203:])
 
 
-DEEPSEEK_TINY = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
-                 "routed_score_func=sigmoid", "norm_topk_prob=true", "routed_scaling_factor=2.5",
-                 "routed_bias=true", "base_moe_mlp_dim=32", "base_num_decoder_layers=3")
+DEEPSEEK_TINY = ("model_family=deepseek", "num_experts=8", "num_experts_per_tok=2", "shared_experts=1",
+                 "first_num_dense_layers=1", "routed_score_func=sigmoid", "norm_topk_prob=true",
+                 "routed_scaling_factor=2.5", "routed_bias=true", "base_moe_mlp_dim=32", "base_num_decoder_layers=3")
 
 
 @pytest.mark.slow
@@ -346,13 +346,15 @@ def test_update_router_bias_raises_underloaded_experts():
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (("num_experts=4", "num_experts_per_tok=5"), "num_experts_per_tok"),
-    (("num_experts=6", "num_experts_per_tok=2", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"), "num_experts"),
-    (("num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=30", "ici_tensor_parallelism=4",
+    (("model_family=mixtral", "num_experts=4", "num_experts_per_tok=5"), "num_experts_per_tok"),
+    (("model_family=mixtral", "num_experts=6", "num_experts_per_tok=2", "ici_expert_parallelism=4",
+      "ici_fsdp_parallelism=2"), "num_experts"),
+    (("model_family=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=30",
+      "ici_tensor_parallelism=4",
       "ici_fsdp_parallelism=2", "base_num_query_heads=4", "base_num_kv_heads=4"), "base_moe_mlp_dim"),
     (("shared_experts=1",), "shared_experts"),
-    (("num_experts=8", "first_num_dense_layers=2"), "first_num_dense_layers"),
-    (("num_experts=8", "routed_score_func=relu"), "routed_score_func"),
+    (("model_family=deepseek", "num_experts=8", "first_num_dense_layers=2"), "first_num_dense_layers"),
+    (("model_family=deepseek", "num_experts=8", "routed_score_func=relu"), "routed_score_func"),
     (("num_experts=0",), "num_experts"),
 ])
 def test_bad_moe_configs_name_the_key(tiny_config, overrides, key):

@@ -13,7 +13,7 @@ from conftest import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVE = re.compile(r"= (.*?) (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(")
-GPT_OSS_MOE = ["num_experts=8", "num_experts_per_tok=2", "mlp_bias=true", "router_logit_bias=true",
+GPT_OSS_MOE = ["model_family=mixtral", "num_experts=8", "num_experts_per_tok=2", "mlp_bias=true", "router_logit_bias=true",
                "mlp_activation=clamped_swiglu"]
 
 
@@ -55,8 +55,8 @@ def test_the_tokamax_grouped_matmul_compiles_for_tpu(tmp_path):
     (forward and gradients) where the widths are TPU-sized (128), XLA's ragged_dot where its kernel
     refuses narrower ones (64), not a traceback."""
     def kernels(*args):
-        hlo = compiled_step_hlo(tmp_path / str(len(list(tmp_path.iterdir()))), "num_experts=8",
-                                "num_experts_per_tok=2", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
+        hlo = compiled_step_hlo(tmp_path / str(len(list(tmp_path.iterdir()))), "model_family=mixtral",
+                                "num_experts=8", "num_experts_per_tok=2", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2",
                                 "per_device_batch_size=2", "max_target_length=48", "moe_grouped_matmul=tokamax", *args)
         return len(re.findall(r'op_name="[^"]*pallas_tpu_ragged_dot_gmm[^"]*pallas_call"', hlo))
     assert kernels("base_emb_dim=128", "base_moe_mlp_dim=128") >= 3  # gate, up, down; and their gradients

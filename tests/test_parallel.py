@@ -82,7 +82,8 @@ def test_splash_attention_under_shard_map_trains_like_dot_product(train_tiny):
     ("ici_fsdp_parallelism=8",),
     ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
     ("ici_context_parallelism=4", "ici_fsdp_parallelism=2"),
-    ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "num_experts=4"),
+    ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "model_family=mixtral",
+     "num_experts=4"),
 ], ids=["fsdp8", "data2xfsdp2xtensor2", "context4xfsdp2", "data2xfsdp2xexpert2"])
 def test_embedding_lookup_and_its_gradient_match_one_device(tiny_config, mesh):
     """The sharded embedding lookup (each device looks up every token in its columns of the table, then an all-to-all)

@@ -55,14 +55,19 @@ def test_storage_order_keeps_each_stage_chunks_together():
 
 
 @pytest.mark.parametrize("overrides,key,text", [
-    (("ici_pipeline_parallelism=3",), "ici_pipeline_parallelism", "the pipeline's 4 layers (layers) do not split into 3 stages"),
-    (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"), "num_pipeline_microbatches", "3 is not a multiple of the 2 stages"),
-    (("ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=3"), "num_layers_per_pipeline_stage", "3 does not divide each stage's 2 layers"),
-    (("ici_pipeline_parallelism=2", "num_pipeline_repeats=2", "num_layers_per_pipeline_stage=2"), "num_pipeline_repeats", "2 x num_layers_per_pipeline_stage 2 != each stage's 2 layers"),
+    (("ici_pipeline_parallelism=3",), "ici_pipeline_parallelism",
+      "the pipeline's 4 layers (layers) do not split into 3 stages"),
+    (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"), "num_pipeline_microbatches",
+      "3 is not a multiple of the 2 stages"),
+    (("ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=3"), "num_layers_per_pipeline_stage",
+      "3 does not divide each stage's 2 layers"),
+    (("ici_pipeline_parallelism=2", "num_pipeline_repeats=2", "num_layers_per_pipeline_stage=2"),
+     "num_pipeline_repeats", "2 x num_layers_per_pipeline_stage 2 != each stage's 2 layers"),
     (("ici_pipeline_parallelism=2", "scan_layers=false"), "scan_layers", "cannot run a pipeline"),
     (("ici_pipeline_parallelism=0",), "ici_pipeline_parallelism", "must be a positive integer"),
     (("dcn_pipeline_parallelism=-1",), "dcn_pipeline_parallelism", "must be a positive integer"),
-    (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=0"), "num_pipeline_microbatches", "must be positive or -1"),
+    (("ici_pipeline_parallelism=2", "num_pipeline_microbatches=0"), "num_pipeline_microbatches",
+      "must be positive or -1"),
 ])
 def test_bad_pipeline_settings_are_refused_at_load(overrides, key, text):
     with pytest.raises(ConfigError) as e:
@@ -73,7 +78,8 @@ def test_bad_pipeline_settings_are_refused_at_load(overrides, key, text):
 def test_the_schedule_follows_from_the_keys(tiny_config):
     def schedule(*overrides):
         c = tiny_config(*MODEL, "per_device_batch_size=2", *overrides)
-        assert c.plan.schedule == pipeline.Schedule(c.mesh_shape["stage"], c.pipeline_repeats, c.pipeline_microbatches)
+        assert c.plan.schedule == pipeline.Schedule(c.mesh_shape["stage"], c.num_pipeline_repeats,
+                                                    c.num_pipeline_microbatches)
         return c.plan.schedule
     # defaults: GPipe, one micro-batch per stage
     assert schedule("ici_pipeline_parallelism=2") == pipeline.Schedule(2, 1, 2)
@@ -82,12 +88,12 @@ def test_the_schedule_follows_from_the_keys(tiny_config):
     assert schedule("ici_pipeline_parallelism=4", "num_pipeline_repeats=1") == pipeline.Schedule(4, 1, 4)
     assert schedule() == pipeline.Schedule(1, 1, 1) and not schedule().active
     # the MoE stack (4 layers) is the pipeline's, the leading dense layer is not: 2 per stage, 2 repeats
-    assert schedule("num_experts=4", "first_num_dense_layers=1", "base_num_decoder_layers=5",
+    assert schedule("model_family=deepseek", "num_experts=4", "first_num_dense_layers=1", "base_num_decoder_layers=5",
                     "ici_pipeline_parallelism=2", "num_layers_per_pipeline_stage=1") == pipeline.Schedule(2, 2, 2)
 
 
 def test_pipeline_keys_without_a_pipeline_warn():
-    from maxtrain.config.validate import no_effect_warnings
+    from maxtrain.config.schema import no_effect_warnings
     c = load("num_pipeline_microbatches=4", "num_pipeline_repeats=2")
     assert no_effect_warnings(c) == [
         "num_pipeline_microbatches: 4 has no effect: no pipeline (ici_pipeline_parallelism x dcn_pipeline_parallelism = 1)",
@@ -184,9 +190,11 @@ def test_one_step_gradients_equal_single_device(tiny_config, mesh):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5 * np.abs(e).max(), err_msg=jax.tree_util.keystr(path))
 
 
-MOE = ("num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true", "load_balance_loss_weight=0.01")
+MOE = ("model_family=mixtral", "num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true",
+       "load_balance_loss_weight=0.01")
 # DeepSeek's layout: a leading dense layer (before the pipeline) and 4 MoE layers (the pipeline's)
-DEEPSEEK = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
+DEEPSEEK = ("model_family=deepseek", "num_experts=8", "num_experts_per_tok=2", "shared_experts=1",
+            "first_num_dense_layers=1",
             "routed_score_func=sigmoid", "norm_topk_prob=true", "routed_scaling_factor=2.5", "routed_bias=true",
             "base_moe_mlp_dim=32", "base_num_decoder_layers=5")
 

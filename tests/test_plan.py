@@ -20,7 +20,7 @@ from maxtrain.models.args import ModelArgs
 from maxtrain.models.decoder import Decoder
 from maxtrain.parallel import rules
 from maxtrain.parallel.plan import Plan
-from maxtrain.config.resolve import AUTO, DERIVED, Resolved, resolve
+from maxtrain.config.resolve import DERIVED, Resolved, chosen_keys, resolve
 
 BASE = str(config_lib.BASE_YML)
 
@@ -61,8 +61,9 @@ def test_a_resolved_config_declares_what_it_adds_and_leaves_nothing_auto():
     c = resolve(loaded, 8)
     assert isinstance(c, Resolved) and not isinstance(loaded, Resolved)
     assert set(c) - set(loaded) == set(DERIVED)
-    assert all(loaded[k] == auto for k, auto in AUTO.items())  # tiny.yml (its float32 aside) leaves them all auto
-    assert all(c[k] != auto for k, auto in AUTO.items())
+    # tiny.yml (its float32 aside) leaves them all auto
+    assert all(loaded[k] == auto for k, auto in chosen_keys().items())
+    assert all(c[k] != auto for k, auto in chosen_keys().items())
     assert c.mesh_shape == {**{a: 1 for a in MESH_AXES}, "fsdp": 8} and c.global_batch_size == 8
     assert isinstance(c.replace(scan_unroll=2), Resolved) and c.replace(scan_unroll=2).plan.scan_unroll == 2
     with pytest.raises(KeyError, match="not keys of the config: invented"):
@@ -80,7 +81,8 @@ def test_resolve_takes_devices_or_their_count():
 
 
 def test_the_plan_is_the_resolved_configs_choices():
-    c = resolve(config_lib.load([TINY, "mlp_chunk_size=8", "ici_context_parallelism=2", "num_experts=4"]), 8)
+    c = resolve(config_lib.load([TINY, "mlp_chunk_size=8", "ici_context_parallelism=2", "model_family=mixtral",
+                                 "num_experts=4"]), 8)
     plan = ModelArgs.from_config(c).plan
     assert plan == c.plan == Plan(attention="blockwise", mlp_chunk=8, moe_chunk=8, moe_grouped_matmul="blocked",
                                   remat_policy="full", scan_unroll=1, context_load_balance=True)

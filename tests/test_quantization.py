@@ -70,7 +70,8 @@ def test_quantized_matmuls_are_where_the_rules_say(tiny_config, mode, targets, s
 
 @pytest.mark.slow
 def test_an_moe_model_quantizes_its_attention_not_its_experts(tiny_config):
-    c = tiny_config("num_experts=4", "num_experts_per_tok=2", "quantization=int8", "dtype=bfloat16",
+    c = tiny_config("model_family=mixtral", "num_experts=4", "num_experts_per_tok=2", "quantization=int8",
+                    "dtype=bfloat16",
                     "ici_expert_parallelism=4", "ici_fsdp_parallelism=2")
     groups = by_weight(c, lowered_dots(c))
     assert groups["attention"] and all(set(t) <= {"i8"} for t in groups["attention"])
@@ -78,7 +79,8 @@ def test_an_moe_model_quantizes_its_attention_not_its_experts(tiny_config):
 
 
 def test_an_moe_models_shared_experts_and_dense_layers_are_its_mlp_target(tiny_config):
-    c = tiny_config("num_experts=4", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
+    c = tiny_config("model_family=deepseek", "num_experts=4", "num_experts_per_tok=2", "shared_experts=1",
+                    "first_num_dense_layers=1",
                     "quantization=int8", "quantization_targets=mlp", "dtype=bfloat16")
     groups = by_weight(c, lowered_dots(c))  # the shared expert's width (1 x base_mlp_dim) is the dense MLP's
     assert groups["mlp"] and all(set(t) <= {"i8"} for t in groups["mlp"])
@@ -137,7 +139,8 @@ def test_a_checkpoint_trained_quantized_resumes_unquantized(train_tiny):
     ("quantization=int8 quantization_targets=output", "quantization_targets: the output layer stays in the compute"),
     ("quantization=int8 quantization_targets=mlp,ffn", "quantization_targets: 'ffn' is not one of attention, mlp"),
     ("quantization=int8 attention=jax_nn", "attention: jax_nn cannot run beside quantized attention projections"),
-    ("quantization=int8 quantization_targets=mlp num_experts=4", "quantization_targets: an MoE model's only MLPs"),
+    ("quantization=int8 quantization_targets=mlp model_family=mixtral num_experts=4",
+     "quantization_targets: an MoE model's only MLPs"),
     ("quantization=int8 quantization_targets=mlp,mlp", "quantization_targets: 'mlp,mlp' names a target twice"),
 ])
 def test_bad_quantization_keys_are_one_line(overrides, message):

@@ -62,11 +62,11 @@ def test_export_reloads_in_transformers_with_identical_weights(tmp_path):
 
 @pytest.mark.slow
 def test_trained_checkpoint_exports_as_qwen3_with_the_same_logits(tmp_path, train_tiny):
-    result = train_tiny("enable_checkpointing=true", "steps=3", "use_qk_norm=true")
+    result = train_tiny("enable_checkpointing=true", "steps=3", "model_family=qwen3", "use_qk_norm=true")
     convert.maxtrain_to_hf(str(tmp_path / "tiny" / "checkpoints" / "3"), str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(model) is Qwen3ForCausalLM  # q/k norms on a dense model, no HF source: Qwen3
-    c = train.load_config([str(TESTS / "configs" / "tiny.yml"), "use_qk_norm=true"])
+    c = train.load_config([str(TESTS / "configs" / "tiny.yml"), "model_family=qwen3", "use_qk_norm=true"])
     trainer = step_lib.build(c, mesh_lib.make_mesh(c))
     tokens = np.random.RandomState(1).randint(0, c.vocab_size, (8, 32))
     ours = maxtrain_logits(trainer, result["state"].params, tokens)
@@ -74,7 +74,8 @@ def test_trained_checkpoint_exports_as_qwen3_with_the_same_logits(tmp_path, trai
 
 
 def test_qwen3_counts_its_parameters_as_its_model_and_transformers_do(tiny_config):
-    c = tiny_config("vocab_size=200", "use_qk_norm=true", "head_dim=32", "logits_via_embedding=true")
+    c = tiny_config("vocab_size=200", "model_family=qwen3", "use_qk_norm=true", "head_dim=32",
+                    "logits_via_embedding=true")
     spec = registry.spec_for(c)
     assert spec.name == "qwen3" and hf.hf_kind(dict(c)) == "qwen3"
     assert spec.count_params(c, False) == c.num_params == built_count(c) == transformers_count(c)
@@ -88,6 +89,7 @@ def test_presets_are_the_released_models(name):
 
 
 def test_export_refuses_qkv_biases():
-    c = config_lib.load([str(TESTS / "configs" / "tiny.yml"), "use_qk_norm=true", "qkv_bias=true"])
+    c = config_lib.load([str(TESTS / "configs" / "tiny.yml"), "model_family=qwen3", "use_qk_norm=true",
+        "qkv_bias=true"])
     with pytest.raises(ConvertError, match="qkv_bias=true: Qwen3 has no q/k/v biases"):
         hf.hf_config_for(dict(c), "float32", None, None)

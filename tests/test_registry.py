@@ -17,8 +17,9 @@ from maxtrain.runtime.errors import ConvertError
 from maxtrain.training import step as step_lib
 
 MOE = ("num_experts=4", "num_experts_per_tok=2", "norm_topk_prob=true", "base_moe_mlp_dim=32")
-DEEPSEEK_TINY = ("num_experts=8", "num_experts_per_tok=2", "shared_experts=1", "first_num_dense_layers=1",
-                 "routed_score_func=sigmoid", "norm_topk_prob=true", "routed_scaling_factor=2.5",
+DEEPSEEK_TINY = ("model_family=deepseek", "num_experts=8", "num_experts_per_tok=2", "shared_experts=1",
+                 "first_num_dense_layers=1", "routed_score_func=sigmoid", "norm_topk_prob=true",
+                     "routed_scaling_factor=2.5",
                  "routed_bias=true", "base_moe_mlp_dim=32", "base_num_decoder_layers=3")
 MLA = ("attention_type=mla", "base_num_kv_heads=4", "q_lora_rank=24", "kv_lora_rank=16", "qk_nope_head_dim=16",
        "qk_rope_head_dim=8", "v_head_dim=12")
@@ -62,7 +63,7 @@ def transformers_count(c) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_family_counts_its_parameters_as_its_model_and_transformers_do(tiny_config, case):
     family, hf_type, overrides = CASES[case]
-    c = tiny_config("vocab_size=200", *overrides)
+    c = tiny_config("vocab_size=200", f"model_family={family}", *overrides)
     spec = registry.spec_for(c)
     assert spec.name == family
     assert spec.count_params(c, False) == c.num_params == built_count(c)

@@ -9,8 +9,8 @@ import re
 from typing import Any
 
 from maxtrain.checkpoint.digest import leaf_signature
-from maxtrain.config.keys import MODEL_TRAINING_KEYS, PRESET_KEYS
 from maxtrain.config.load import Config, defaults
+from maxtrain.config.schema import in_group, preset_keys
 from maxtrain.runtime.errors import UserError
 
 
@@ -20,15 +20,24 @@ class CheckpointError(UserError, RuntimeError):
 
 
 def model_signature(c: Config) -> dict[str, Any]:
-    """The model keys, and the training default an export hands on (router_aux_loss_coef)."""
-    return {k: c[k] for k in PRESET_KEYS} | {"scan_layers": c.scan_layers}
+    """The model keys, and the settings an export hands on (router_aux_loss_coef): what a preset may set."""
+    return {k: c[k] for k in preset_keys()}
+
+
+def as_written_now(saved: dict[str, Any]) -> dict[str, Any]:
+    """A model description as this maxtrain writes one: keys added since it was written had their default, and
+    model_family, if it predates the key, is the family its keys describe."""
+    from maxtrain.models import registry
+    values = {**defaults(), **saved}
+    if "model_family" not in saved:
+        values["model_family"] = registry.family_of_keys(values).name
+    return values
 
 
 def check_model(saved: dict[str, Any], c: Config, where: str, hint: str = "") -> None:
-    ours = model_signature(c)
-    saved = {**defaults(), **saved}  # keys added since the checkpoint was written had their default
+    ours, saved, carried = model_signature(c), as_written_now(saved), in_group("model_training")
     diff = [f"{k} (checkpoint {saved.get(k)!r}, config {ours[k]!r})" for k in ours
-            if saved.get(k) != ours[k] and k not in MODEL_TRAINING_KEYS]
+            if saved.get(k) != ours[k] and k not in carried]
     if diff:
         raise CheckpointError(f"{where}: model shape differs: {'; '.join(diff)}{hint}")
 

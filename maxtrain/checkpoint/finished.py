@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from maxtrain.config.keys import MODEL_TRAINING_KEYS, PRESET_KEYS
-from maxtrain.config.load import defaults
+from maxtrain.checkpoint.describe import as_written_now
+from maxtrain.config.schema import model_keys
 from maxtrain.runtime import storage
 
 
@@ -27,6 +27,5 @@ def finished_step(c) -> int | None:
         return None
     if str(newest) in verdicts.get("rejected", {}):
         return None
-    saved = {**defaults(), **saved}
-    ours = {k: c[k] for k in PRESET_KEYS if k not in MODEL_TRAINING_KEYS} | {"scan_layers": c.scan_layers}
-    return newest if all(saved.get(k) == v for k, v in ours.items()) else None
+    saved = as_written_now(saved)
+    return newest if all(saved.get(k) == c[k] for k in model_keys()) else None

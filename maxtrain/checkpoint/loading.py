@@ -50,7 +50,7 @@ def _read_json_item(p: Path, item: str, key: str):
 
 
 def read_model(p: Path, key: str) -> dict:
-    """A step directory's model description (MODEL_KEYS and scan_layers)."""
+    """A step directory's model description (describe.model_signature: the model keys and what a preset carries)."""
     saved = _read_json_item(p, "model", key)
     if not isinstance(saved, dict):
         raise CheckpointError(f"{key}: {p}/model is not a model description: the checkpoint is damaged")

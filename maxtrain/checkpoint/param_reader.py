@@ -10,8 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain.checkpoint import digest as digest_lib, loading as ckpt_loading, manager as ckpt_lib
-from maxtrain.config import keys as config_keys, load as config_lib
-from maxtrain.runtime.errors import ConvertError
+from maxtrain.checkpoint.describe import as_written_now
 
 
 class _QuietStepMetadata(logging.Filter):
@@ -39,12 +38,7 @@ class CheckpointParams:
         self._ocp = ocp
         self.step_dir = ckpt_loading.step_directory(checkpoint, "--checkpoint")
         saved = ckpt_loading.read_model(self.step_dir, "--checkpoint")
-        # Keys added since the checkpoint was written had their default (as checkpoint.check_model assumes).
-        defaults = config_lib.defaults()
-        self.signature = {k: defaults[k] for k in config_keys.PRESET_KEYS} | saved
-        missing = [k for k in (*config_keys.MODEL_KEYS, "scan_layers") if k not in self.signature]
-        if missing:
-            raise ConvertError(f"{checkpoint}: model description lacks {', '.join(missing)} (older maxtrain?)")
+        self.signature = as_written_now(saved)  # (as checkpoint.check_model reads it)
         self._checkpointer = ocp.PyTreeCheckpointer()
         try:
             self.metadata = self._checkpointer.metadata(self.step_dir / "state").item_metadata.tree["params"]

@@ -1,7 +1,8 @@
 """--help and --help-keys for the entry points that take a config (train, generate, compile).
 
 base.yml is where every key is documented: its default and a comment. The comments are read here, once,
-from the file itself, so `--help-keys` shows what the file says and nothing can drift from it.
+from the file itself, so `--help-keys` shows what the file says and nothing can drift from it; each key's type
+is its default's (maxtrain.config.load checks every value against it).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def key_docs() -> dict[str, tuple[str, str]]:
 
 
 def matching_keys(pattern: str | None) -> list[str]:
-    """Lines `key: default  # comment` for the keys whose name contains `pattern` (or matches it as a glob)."""
+    """Lines `key: type = default  # comment` for the keys whose name contains `pattern` (or matches it as a
+    glob)."""
     docs = key_docs()
     if pattern is None:
         names = list(docs)
@@ -74,8 +76,10 @@ def matching_keys(pattern: str | None) -> list[str]:
         close = difflib.get_close_matches(pattern, list(docs), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else f"; {KEYS_FLAG} with no pattern lists all {len(docs)}"
         raise config_keys.ConfigError(KEYS_FLAG, f"no key matches {pattern!r}{hint}")
-    width = max(len(f"{k}: {docs[k][0]}") for k in names)
-    return [f"{k}: {docs[k][0]}".ljust(width) + (f"  # {docs[k][1]}" if docs[k][1] else "") for k in names]
+    values = config_lib.defaults()
+    heads = {k: f"{k}: {type(values[k]).__name__} = {docs[k][0]}" for k in names}
+    width = max(len(h) for h in heads.values())
+    return [heads[k].ljust(width) + (f"  # {docs[k][1]}" if docs[k][1] else "") for k in names]
 
 
 PRESETS_FLAG = "--list-presets"

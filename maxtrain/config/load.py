@@ -1,9 +1,9 @@
 """Layered YAML config: base.yml defaults <- base_config chain <- model preset <- key=value overrides.
 
-configs/base.yml is the schema: it declares every key and its default, and each key's type is the
-type of its default. Everything a user can get wrong is checked here, before anything compiles, and
-reported as a ConfigError that names the key. Values that follow from the config and the devices
-(parameter count; mesh shape, global batch) are derived once, in `_derive_static` and `maxtrain.config.resolve`.
+configs/base.yml holds every key's default, and each key's type is the type of its default; the rest of a key's
+declaration (its values, range and checks) is its `Key` (maxtrain.config.schema). Everything a user can get
+wrong is checked at load, before anything compiles, and reported as a ConfigError that names the key. Values that
+follow from the config and the devices (parameter count; mesh shape, global batch) are derived once, in `_derive_static` and `maxtrain.config.resolve`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any
 import yaml
 
 from maxtrain.config import run_name as run_name_lib, yaml_file
-from maxtrain.config.keys import (DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, PRESET_KEYS, RENAMED, UPPER_BOUNDS,
-                                  ConfigError)
-from maxtrain.config.validate import validate
+from maxtrain.config.keys import DERIVED_AT_LOAD, FLOAT32_MAX, INT_MAX, RENAMED, ConfigError
+from maxtrain.config.schema import declared, path_keys, preset_keys, validate
 from maxtrain.models import registry
 from maxtrain.models.parts import moe_width
 from maxtrain.runtime.base_yml import BASE_YML
@@ -120,14 +119,12 @@ def _read_chain(path: Path) -> dict[str, Any]:
     return values
 
 
-# Keys that name files a run reads: a relative one that matches nothing from the working directory is read
-# beside the config file that set it (on the command line: beside the config file named), so a config and its
-# data travel together (the shipped configs/shakespeare.yml and its data/tinyshakespeare.txt, from any folder).
-INPUT_KEYS = ("train_files", "eval_files", "tokenizer_path", "prompt_file", "load_parameters_path",
-              "load_full_state_path")
-
-
 def _beside(values: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Keys that name files a run reads: a relative one that matches nothing from the working directory is read
+    beside the config file that set it (on the command line: beside the config file named), so a config and its
+    data travel together (the shipped configs/shakespeare.yml and its data/tinyshakespeare.txt, from any folder)."""
+    inputs = set(path_keys("input", "inputs"))
+
     def one(pattern: str) -> str:
         p = pattern.strip()
         if not p or "://" in p or Path(p).is_absolute() or glob.glob(p) or not glob.glob(str(folder / p)):
@@ -136,7 +133,7 @@ def _beside(values: dict[str, Any], folder: Path) -> dict[str, Any]:
 
     def paths(value):
         return ",".join(one(p) for p in value.split(",")) if isinstance(value, str) else value
-    out = {k: paths(v) if k in INPUT_KEYS else v for k, v in values.items()}
+    out = {k: paths(v) if k in inputs else v for k, v in values.items()}
     for key in ("data_sources", "eval_sources"):  # each source's files
         if isinstance(out.get(key), dict):
             out[key] = {name: {**spec, "files": paths(spec["files"])} if isinstance(spec, dict) and "files" in spec
@@ -208,7 +205,7 @@ def _check_type(key: str, value: Any, default: Any) -> Any:
             raise ConfigError(key, f"must be a finite number, got {value}") from None
         if ok and not math.isfinite(value):
             raise ConfigError(key, f"must be a finite number, got {value}")
-        if ok and abs(value) > FLOAT32_MAX and key not in UPPER_BOUNDS:  # those name their own range
+        if ok and abs(value) > FLOAT32_MAX and not declared()[key].limit:  # those name their own range
             raise ConfigError(key, f"{value!r} is out of range (at most {FLOAT32_MAX:.4g} in magnitude: float32)")
     else:
         ok = isinstance(value, kind)
@@ -274,8 +271,9 @@ def _read_preset(name: str) -> dict[str, Any]:
         raise ConfigError("model_name", f"no preset {name!r}; known: default, {', '.join(known)}")
     path = CONFIG_DIR / "models" / f"{name}.yml"
     preset = _read_yaml(path)
+    allowed = preset_keys()
     for key in preset:
-        if key not in PRESET_KEYS:
+        if key not in allowed:
             raise ConfigError(key, f"model preset {path.name} may only set model keys")
     return preset
 

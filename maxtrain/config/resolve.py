@@ -1,6 +1,6 @@
 """A loaded config resolved for the devices: `resolve(config, devices)` -> Resolved, a frozen config with
-every auto value chosen (platform_defaults) and the values that follow from the devices (DERIVED), after
-every check that depends on them. Its `plan` is the execution plan the model receives.
+every auto value chosen (each key's platform default: its `Key.choose`) and the values that follow from the
+devices (DERIVED), after every check that depends on them. Its `plan` is the execution plan the model receives.
 
 The loaded Config (config.load) knows no devices; everything that runs a step takes a Resolved.
 """
@@ -13,10 +13,11 @@ from typing import Any
 
 import jax
 
-from maxtrain.config import platform_defaults, run_name as run_name_lib, validate
+from maxtrain.config import run_name as run_name_lib
+from maxtrain.config.groups import layout
 from maxtrain.config.load import Config, defaults
 from maxtrain.config.keys import INT_MAX, ConfigError, parallelism_key
-from maxtrain.ops.attention import SPLASH
+from maxtrain.config.schema import declared
 from maxtrain.parallel import rules as rules_lib
 from maxtrain.parallel.mesh import MESH_AXES
 from maxtrain.parallel.plan import Plan
@@ -29,13 +30,14 @@ DERIVED = {
     "mesh_dcn": "{mesh axis: slices} (dcn_*_parallelism, -1 filled)",
     "mesh_shape": "{mesh axis: devices}: ici x dcn",
     "global_batch_size": "sequences per step over all devices: per_device_batch_size x num_devices",
-    "moe_chunk_size": "positions per chunk of an MoE layer's experts (mlp_chunk_size's auto rule for MoE); 0 = none",
-    "pipeline_microbatches": "micro-batches per step through the pipeline (num_pipeline_microbatches, -1 filled)",
-    "pipeline_repeats": "visits of a micro-batch to each stage (num_pipeline_repeats, -1 filled); 1 = GPipe",
+    "moe_chunk_size": "positions per chunk of an MoE layer's experts (the MLP's chunk key, or its auto rule for "
+                      "MoE); 0 = none",
 }
-# Keys whose auto value resolve replaces (platform_defaults), and that value.
-AUTO = {"dtype": "auto", "attention": "auto", "moe_grouped_matmul": "auto", "scan_unroll": -1, "loss_chunk_size": -1,
-        "mlp_chunk_size": -1}
+
+
+def chosen_keys() -> dict[str, object]:
+    """The keys whose auto value resolve replaces by its platform default, and that value."""
+    return {name: key.auto for name, key in declared().items() if key.choose}
 
 
 class Resolved(Config):
@@ -46,7 +48,7 @@ class Resolved(Config):
         missing = set(DERIVED) - set(values)
         if missing:
             raise ValueError(f"a resolved config needs {', '.join(sorted(missing))}")
-        left = [k for k, auto in AUTO.items() if values[k] == auto]
+        left = [k for k, auto in chosen_keys().items() if values[k] == auto]
         if left:
             raise ValueError(f"a resolved config has no auto values: {', '.join(left)}")
         super().__init__(values)
@@ -127,34 +129,16 @@ def _resolve(c: dict[str, Any], num_devices: int, num_slices: int, platform: str
                           f"global batch {global_batch} must divide into {accum} micro-batches "
                           f"each divisible by the {batch_shards} batch shards")
 
-    schedule = validate.pipeline_settings(c)
-    micro = schedule["num_pipeline_microbatches"]
-    if shape["stage"] > 1:  # each micro-batch runs on one stage's devices, split over their batch axes
-        rules = c["logical_axis_rules"]
-        batch_axes, layer_axes = (rules_lib.mesh_axes(rules, (name,))[0] for name in ("batch", "stage_layers"))
-        if layer_axes != ["stage"]:  # else every stage would hold (and gather) every layer
-            raise ConfigError("logical_axis_rules", "a pipeline needs the rule [\"stage_layers\", \"stage\"] "
-                              "(base.yml's): a stage holds only its own layers")
-        inner_axes = [a for a in batch_axes if a != "stage" and shape[a] > 1]
-        inner = math.prod(shape[a] for a in inner_axes)
-        if global_batch % (accum * micro * inner):
-            per = f" per accumulation step ({global_batch // accum})" if accum > 1 else ""
-            raise ConfigError("num_pipeline_microbatches",
-                              f"{micro} micro-batches of the global batch {global_batch}{per} do not each split "
-                              f"over a stage's {inner} batch shards ({' x '.join(inner_axes) or 'none'}): use fewer "
-                              "micro-batches or a larger per_device_batch_size")
     c.update(num_devices=num_devices, num_slices=num_slices, mesh_ici=ici, mesh_dcn=dcn,
-             mesh_shape=shape, global_batch_size=global_batch, pipeline_microbatches=micro,
-             pipeline_repeats=schedule["num_pipeline_repeats"])
-    share = c["max_target_length"] // seq_shards
-    split = f"max_target_length {c['max_target_length']} / {seq_axes or '1 device'} = {share}"
-    for key in ("loss_chunk_size", "mlp_chunk_size"):
-        if c[key] > 0 and share % c[key]:
-            raise ConfigError(key, f"{c[key]} must divide each device's share of the sequence: {split}")
-    c.update(platform_defaults.choose(c, platform))
-    if c["attention"] in SPLASH and share % 128:
-        raise ConfigError("attention", f"{c['attention']} needs each device's share of the sequence in blocks of 128: "
-                                       f"{split}")
+             mesh_shape=shape, global_batch_size=global_batch)
+    given, keys = dict(c), [declared()[name] for name in defaults()]
+    for key in keys:  # in base.yml's order: a rule may read a value chosen before it (the chunks, dtype)
+        if key.choose and c[key.name] == key.auto:
+            c[key.name] = key.choose(c, platform)
+    c["moe_chunk_size"] = layout.moe_chunk_size(c, given)
+    for key in keys:
+        if key.check_resolved:
+            key.check_resolved(c, platform)
     return Resolved(c)
 
 

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from maxtrain.config import load as config_lib
-from maxtrain.config.keys import PATH_KEYS, ConfigError
+from maxtrain.config import schema
+from maxtrain.config.keys import ConfigError
 from maxtrain.runtime import errors, storage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def check_for_a_pod(argv: list[str]):
     if _local(c.base_output_directory):
         raise ConfigError("base_output_directory", f"{c.base_output_directory!r} is on each worker's disk, which "
                           "goes with its VM: set a gs:// bucket for a pod (e.g. base_output_directory=gs://BUCKET/runs)")
-    named = [(key, c[key]) for key in PATH_KEYS if key != "base_output_directory"]
+    named = [(key, c[key]) for key in schema.path_keys() if key != "base_output_directory"]
     named += [(f"{key}.{name}.files", spec["files"]) for key in ("data_sources", "eval_sources")
               for name, spec in c[key].items()]
     for key, value in named:

@@ -172,6 +172,7 @@ def model_keys_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     rope = (spec.hf.rope or flat_rope)(hf)
     heads = hf["num_attention_heads"]
     keys = {
+        "model_family": spec.name,
         "vocab_size": hf["vocab_size"],
         "base_emb_dim": hf["hidden_size"],
         "base_num_query_heads": heads,

@@ -34,6 +34,7 @@ from maxtrain.ops.attention import Variant
 from maxtrain.parallel import remat
 from maxtrain.parallel.rules import constrain
 from maxtrain.runtime import base_yml
+from maxtrain.runtime.declaration import Key, declare
 from maxtrain.runtime.errors import ConfigError, ConvertError
 
 HEADS, KV_HEADS = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim")
@@ -128,21 +129,13 @@ def flops_per_token(m: Keys, length: int, causal: bool = True, active: bool = Tr
     return total - 2 * heads * 2 * hd * chunked * (seen_all - seen_chunk)
 
 
-# The keys only Llama 4's layers read (another family's config leaves them at base.yml's values)
-OWN_KEYS = ("chunk_attn_window_size", "use_qk_l2_norm", "temperature_tuning", "temperature_tuning_scale",
-            "temperature_tuning_floor_scale")
-
-
-def _checks(c: Keys) -> None:
-    if c["nope_layer_interval"] < 0:
-        raise ConfigError("nope_layer_interval", f"must be >= 0, got {c['nope_layer_interval']}")
-    if c["nope_layer_interval"] > c["base_num_decoder_layers"]:
-        raise ConfigError("nope_layer_interval", f"{c['nope_layer_interval']} exceeds base_num_decoder_layers="
+def _nope_layers(c: Keys) -> None:
+    every = c["nope_layer_interval"]
+    if every > c["base_num_decoder_layers"]:
+        raise ConfigError("nope_layer_interval", f"{every} exceeds base_num_decoder_layers="
                           f"{c['base_num_decoder_layers']}: no layer would be NoPE")
-    if c["chunk_attn_window_size"] < 0:
-        raise ConfigError("chunk_attn_window_size", f"must be >= 0, got {c['chunk_attn_window_size']}")
-    if c["temperature_tuning_floor_scale"] <= 0:
-        raise ConfigError("temperature_tuning_floor_scale", "must be > 0")
+    if not every:
+        return
     for key, plain in (("sliding_window_size", 0), ("use_qk_norm", False), ("attention_type", "gqa")):
         if c[key] != plain:
             raise ConfigError(key, f"must be {plain} with nope_layer_interval (Llama 4's layers chunk their "
@@ -150,6 +143,21 @@ def _checks(c: Keys) -> None:
     if c["ici_pipeline_parallelism"] * c["dcn_pipeline_parallelism"] > 1:
         raise ConfigError("nope_layer_interval", "a pattern of NoPE and RoPE layers cannot be pipelined yet "
                           "(ici/dcn_pipeline_parallelism=1)")
+
+
+def _own(name: str, **kw) -> Key:
+    """A key only Llama 4's layers read (another family's config leaves it at base.yml's value)."""
+    return Key(name, "model", family="llama4", **kw)
+
+
+declare(
+    _own("nope_layer_interval", at_least=0, check=_nope_layers),
+    _own("chunk_attn_window_size", at_least=0),
+    _own("use_qk_l2_norm"),
+    _own("temperature_tuning"),
+    _own("temperature_tuning_scale"),
+    _own("temperature_tuning_floor_scale", above=0),
+)
 
 
 def _summary(c: Keys) -> str:
@@ -287,6 +295,6 @@ HF = HFMapping(
 )
 
 SPEC = register(ModelSpec(name="llama4", matches=lambda m: m["nope_layer_interval"] != 0, hf_kind=_hf_kind, hf=HF,
-                          priority=3, own_keys=OWN_KEYS, matches_hint="nope_layer_interval > 0", checks=_checks,
+                          priority=3, matches_hint="nope_layer_interval > 0",
                           summary=_summary, **decoder_spec.spec_parts(args=args, build=lambda c: Decoder(args(c)),
                                                                       flops_per_token=flops_per_token)))

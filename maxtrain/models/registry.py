@@ -3,9 +3,10 @@
 A family answers every question whose answer follows from the model's shape: its args and module, its
 layer stacks, its parameter count and FLOPs per token, which parameters train and which decay, the
 module paths quantization targets, and (where HF has the family) its HF tensor names and config.json.
-Which family a config belongs to follows from its model keys: each family's `matches`, the highest
-`priority` winning where several match (a family that narrows another, as Qwen3 narrows the dense
-decoder with q/k norms, sets a higher one).
+A config names its family (`model_family`; each preset names its own). Each family's `matches` says which model
+keys are its own, the highest `priority` winning where several match (a family that narrows another, as Qwen3
+narrows the dense decoder with q/k norms, sets a higher one): the config check holds the named family to its keys,
+and a model description written before model_family existed is read by it (family_of_keys).
 
 New family: one module in maxtrain/models/ that calls `register(ModelSpec(...))` at import, plus its
 presets in configs/models/ and its tests. The registry imports every module of the package the first
@@ -84,11 +85,7 @@ class ModelSpec:
     not_trained: tuple[str, ...] = ()  # parameter names the optimizer never moves (their own rule does)
     hf: HFMapping | None = None
     priority: int = 0
-    # model keys only this family reads: another family's config leaves them at base.yml's values, or the config
-    # check says so, and what makes a config this family's (`matches_hint`)
-    own_keys: tuple[str, ...] = ()
-    matches_hint: str = ""
-    checks: Callable[[Keys], None] | None = None  # what this family's configs must satisfy (a ConfigError)
+    matches_hint: str = ""  # what makes model keys this family's, where `matches` is not plain from its name
     summary: Callable[[Keys], str] | None = None  # the run's first line: what its attention does besides the mask
 
     def decayed(self, params) -> Any:
@@ -146,7 +143,13 @@ def family(name: str) -> ModelSpec:
 
 
 def spec_for(m: Keys) -> ModelSpec:
-    """The family of the model that config (or model keys) `m` describes."""
+    """The family that config (or model keys) `m` names."""
+    return family(m["model_family"])
+
+
+def family_of_keys(m: Keys) -> ModelSpec:
+    """The family whose model keys `m` are: the config check's (a config names its family) and, for a model
+    description written before model_family existed, the one it is read as."""
     found = [s for s in families() if s.matches(m)]
     if not found:  # every family's predicate together covers every valid config
         raise ValueError(f"no model family matches num_experts={m['num_experts']}")

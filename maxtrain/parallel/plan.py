@@ -25,7 +25,8 @@ from maxtrain.parallel.rules import length_shards
 
 
 # What a config's auto values mean where no devices are known (Plan.single_device): the plainest kernel, the
-# reference grouped matmul, the scan's loop. The platform's choices for them: maxtrain.config.platform_defaults.
+# reference grouped matmul, the scan's loop. The platform's choices for them: each key's Key.choose
+# (maxtrain/config/groups/layout.py).
 REFERENCE = {"attention": "dot_product", "moe_grouped_matmul": "blocked", "scan_unroll": 1}
 
 
@@ -48,7 +49,8 @@ class Plan:
         return cls(attention=c.attention, mlp_chunk=c.mlp_chunk_size, moe_chunk=c.moe_chunk_size,
                    moe_grouped_matmul=c.moe_grouped_matmul, remat_policy=c.remat_policy, scan_unroll=c.scan_unroll,
                    context_load_balance=c.context_parallel_load_balance, context_strategy=c.context_parallel_strategy,
-                   schedule=pipeline.Schedule(c.mesh_shape["stage"], c.pipeline_repeats, c.pipeline_microbatches))
+                   schedule=pipeline.Schedule(c.mesh_shape["stage"], c.num_pipeline_repeats,
+                                              c.num_pipeline_microbatches))
 
     @classmethod
     def single_device(cls, c) -> "Plan":

@@ -32,3 +32,8 @@ def defaults_of(keys: Iterable[str]) -> dict[str, Any]:
 def changed(m: Mapping[str, Any], keys: Iterable[str]) -> list[str]:
     """Those of `keys` that model keys `m` set to something other than base.yml's value."""
     return [k for k in keys if m[k] != _values()[k]]
+
+
+def names() -> tuple[str, ...]:
+    """Every key of base.yml, in its order."""
+    return tuple(_values())

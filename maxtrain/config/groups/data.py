@@ -1,13 +1,17 @@
-"""The checks of a mixture's keys (data_sources, data_stages, data_source_exhausted, eval_sources), each a
-ConfigError naming the key, down to the source and stage: `data_stages[1].weights.web`."""
+"""The data keys (group `data`: what the model is trained on, in which order) and their checks; a mixture's
+(data_sources, data_stages, data_source_exhausted, eval_sources) name the key down to the source and stage:
+`data_stages[1].weights.web`."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from maxtrain.config.keys import CHOICES, RUN_NAME, ConfigError
+from maxtrain.runtime.declaration import Key, declare
+from maxtrain.config.keys import RUN_NAME, ConfigError
 from maxtrain.runtime import storage
+
+DATASET_TYPES = ("synthetic", "prepared", "text", "parquet", "array_record")
 
 
 SOURCE_KEYS = {"files": str, "weight": float, "dataset_type": str, "text_field": str}
@@ -30,7 +34,8 @@ def _sources(c: dict[str, Any], key: str, weighted: bool) -> None:
             raise ConfigError(where, "a source's name is a plain word (letters, digits, '.', '_', '-'): it names "
                               "its metrics")
         if not isinstance(spec, dict):
-            raise ConfigError(where, f"must be a mapping like {{files: \"data/*.jsonl\"{', weight: 0.5' if weighted else ''}}}")
+            example = f"{{files: \"data/*.jsonl\"{', weight: 0.5' if weighted else ''}}}"
+            raise ConfigError(where, f"must be a mapping like {example}")
         for k, v in spec.items():
             if k not in allowed:
                 raise ConfigError(f"{where}.{k}", f"unknown; a source takes {', '.join(allowed)}")
@@ -42,14 +47,14 @@ def _sources(c: dict[str, Any], key: str, weighted: bool) -> None:
                 raise ConfigError(f"{where}.{k}", "missing" if k not in spec else "is empty")
         if weighted:
             _check_weight(f"{where}.weight", spec["weight"])
-        if spec.get("dataset_type", "text") not in CHOICES["dataset_type"][1:]:
+        if spec.get("dataset_type", "text") not in DATASET_TYPES[1:]:
             raise ConfigError(f"{where}.dataset_type", f"{spec['dataset_type']!r} is not one of "
-                              f"{', '.join(CHOICES['dataset_type'][1:])}")
+                              f"{', '.join(DATASET_TYPES[1:])}")
         for value in spec["files"].split(","):
             storage.check(value.strip(), f"{where}.files")
 
 
-def validate_sources(c: dict[str, Any]) -> None:
+def _sources_and_stages(c: dict[str, Any]) -> None:
     """data_sources, data_stages, eval_sources and the keys they replace."""
     _sources(c, "data_sources", weighted=True)
     _sources(c, "eval_sources", weighted=False)
@@ -96,3 +101,46 @@ def validate_sources(c: dict[str, Any]) -> None:
             _check_weight(f"{where}.weights.{k}", w)
         if sum(weights.values()) <= 0:
             raise ConfigError(f"{where}.weights", "every weight is 0: give at least one source a positive weight")
+
+
+def _train_files(c: dict[str, Any]) -> None:
+    if c["dataset_type"] != "synthetic" and not c["train_files"] and not c["data_sources"]:
+        raise ConfigError("train_files", f"dataset_type={c['dataset_type']} needs train_files (comma-separated globs)")
+    if c["dataset_type"] == "prepared" and not c["data_sources"]:
+        for key in ("train_files", "eval_files"):
+            if "," in c[key] or any(ch in c[key] for ch in "*?["):
+                raise ConfigError(key, f"{c[key]!r}: dataset_type=prepared reads one directory, the prepared_dir "
+                                  "that python -m maxtrain.prepare wrote")
+
+
+def _late_stages(c) -> list[str]:
+    return [f"data_stages[{n}]: start_step {stage['start_step']} is not before the last step (steps={c['steps']}): "
+            "its weights are not used in this run" for n, stage in enumerate(c["data_stages"])
+            if stage["start_step"] >= c["steps"]]
+
+
+def data(name: str, **kw) -> Key:
+    return Key(name, "data", **kw)
+
+
+declare(
+    # blockwise attention unrolls a block per 256 positions when traced
+    data("max_target_length", at_least=1, limit=(2**21, "positions")),
+    data("dataset_type", choices=DATASET_TYPES),
+    data("train_files", path="inputs", check=_train_files),
+    data("eval_split_fraction", at_least=0, below=1),
+    data("data_sources", check=_sources_and_stages),
+    data("data_stages", no_effect=_late_stages),
+    data("data_source_exhausted", choices=("repeat", "drop")),
+    data("text_field"),
+    data("tokenizer_type", choices=("byte", "sentencepiece", "huggingface")),
+    data("tokenizer_path", path="input"),
+    data("hf_bos_token"),
+    data("hf_eos_token"),
+    data("add_bos"),
+    data("add_eos"),
+    data("packing"),
+    data("num_epochs", at_least=1, auto=-1, why="repeat"),
+    data("data_shuffle_seed", at_least=0),
+    data("grain_shuffle_buffer_size", at_least=1),
+)
