@@ -130,7 +130,7 @@ def only_trained(inner: optax.GradientTransformation, trained) -> optax.Gradient
 def make_optimizer(c: Config) -> optax.GradientTransformation:
     spec = registry.spec_for(c)  # the model's family says which parameters train and which decay
     adamw = optax.adamw(learning_rate_schedule(c), b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
-                        weight_decay=c.adam_weight_decay, mu_dtype=jnp.dtype(c.mu_dtype),
+                        eps_root=c.adam_eps_root, weight_decay=c.adam_weight_decay, mu_dtype=jnp.dtype(c.mu_dtype),
                         mask=spec.decayed)
     if c.gradient_clipping_threshold > 0:
         adamw = optax.chain(optax.clip_by_global_norm(c.gradient_clipping_threshold), adamw)

@@ -60,6 +60,7 @@ declare(
     training("adam_b1", at_least=0, below=1),
     training("adam_b2", at_least=0, below=1),
     training("adam_eps", **AT_LEAST_0),
+    training("adam_eps_root", **AT_LEAST_0),
     training("adam_weight_decay", **AT_LEAST_0),
     training("gradient_clipping_threshold", **AT_LEAST_0),
     training("z_loss_multiplier", **AT_LEAST_0),
