@@ -14,8 +14,8 @@ is known in closed form; the R elements of a step are placed in the batch by a p
 source. All of it follows from the config, the sources' sizes and the step: every process computes the
 same mixture without talking to the others.
 
-Position: the step, and for each streamed source each lane's six integers (maxtrain.data.streamed); each
-lane of the batch carries [step, *its lanes' states], gathered from every process at a save.
+Position: the step, and for each streamed source each lane's LANE_POSITION integers (maxtrain.data.streamed):
+each lane of the batch carries [step, *its lanes' states], gathered from every process at a save.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import functools
 import numpy as np
 
 from maxtrain.data import rows as rows_lib
+from maxtrain.data.readers import Reader, gather_lanes, read_ahead
 from maxtrain.data.sources import DataError
+from maxtrain.data.streamed import LANE_POSITION, Lane, WorkerRows
 
 SCALE = 10**6  # weights become integer proportions of this sum (grain's own scale the smallest to 100, truncated)
 
@@ -142,20 +144,24 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class Mixture:
-    """What every lane shares: the sources' readers (a PreparedReader or a Stream each) and the schedule."""
+    """What every lane shares: the sources' readers (a PreparedReader or a StreamedReader each), the schedule."""
     names: tuple[str, ...]
-    readers: tuple  # PreparedReader (rows by rank) | Stream (rows by lane)
+    readers: tuple[Reader, ...]  # PreparedReader (rows by rank) | StreamedReader (rows by lane, of its stream)
     schedule: Schedule
     length: int
 
     @functools.cached_property
     def streamed(self) -> list[int]:
-        """The sources read by lanes (a Stream's); the others are read by rank (a PreparedReader's rows)."""
-        return [i for i, r in enumerate(self.readers) if not hasattr(r, "row")]
+        """The sources read by lanes (a StreamedReader's stream); the others are read by rank (their rows)."""
+        return [i for i, r in enumerate(self.readers) if r.by_lane]
 
     @property
     def width(self) -> int:
-        return 1 + 6 * len(self.streamed)  # a lane's position: the step, each streamed source's lane
+        return 1 + LANE_POSITION * len(self.streamed)  # a lane's position: the step, each streamed source's lane
+
+    def lane_columns(self, n: int) -> slice:
+        """Where the n-th streamed source's lane is in a lane's position."""
+        return slice(1 + LANE_POSITION * n, 1 + LANE_POSITION * (n + 1))
 
     def rows_for(self, lanes: range, states, stop_when: str = "any"):
         return MixedRows(self, lanes, states)
@@ -166,11 +172,10 @@ class MixedRows:
     [len(lanes), L] arrays with "source_ids", each lane's position after it)."""
 
     def __init__(self, mixture: Mixture, lanes: range, states):
-        from maxtrain.data.streamed import Lane
         self.m, self.lanes = mixture, lanes
         local = [states[j] if states and states[j] is not None else [0] * mixture.width for j in lanes]
         self.step = int(local[0][0]) if local else 0
-        self._lanes = {i: [Lane(mixture.readers[i], j, tuple(local[r][1 + 6 * n: 7 + 6 * n]))
+        self._lanes = {i: [Lane(mixture.readers[i].stream, j, tuple(local[r][mixture.lane_columns(n)]))
                            for r, j in enumerate(lanes)] for n, i in enumerate(mixture.streamed)}
 
     def __iter__(self):
@@ -187,9 +192,8 @@ class MixedRows:
     def batch(self, step: int) -> dict:
         """This process's rows of `step`'s batch (the streamed lanes' next rows: call in order of the steps)."""
         source_R, rank_R = self.m.schedule.assign(step)
-        n, length = len(self.lanes), self.m.length
-        tokens, docs = np.zeros((n, length + 1), np.int32), np.zeros((n, length + 1), np.int64)
-        valid = np.zeros((n, length + 1), bool)
+        length = self.m.length
+        tokens, docs, valid = rows_lib.buffers(len(self.lanes), length)
         for r, j in enumerate(self.lanes):
             i = int(source_R[j])
             if i in self._lanes:
@@ -202,9 +206,12 @@ class MixedRows:
         return batch
 
 
-class MixtureReader:
+class MixtureReader(Reader):
     """Rows of a mixture, for pipeline.Batches: this process's lanes, run on its thread (or, with streamed
-    sources and grain_worker_count, in worker processes)."""
+    sources and grain_worker_count, in worker processes). By lane: each lane's position is [step, *its
+    streamed sources' lanes]."""
+
+    by_lane = True
 
     def __init__(self, mixture: Mixture, lanes: range, workers: int = 0):
         self.mixture, self.lanes = mixture, lanes
@@ -217,31 +224,17 @@ class MixtureReader:
         states = [None] * self.mixture.schedule.rows
         states[self.lanes.start:self.lanes.stop] = local_states
         if self.workers:
-            from maxtrain.data.streamed import WorkerRows
             return WorkerRows(self.mixture, self.lanes, states, "any", self.workers)
         rows = MixedRows(self.mixture, self.lanes, states)
         if self.mixture.streamed:
             return rows
-        # Prepared sources only: a step's rows follow from the step, so grain's threads read steps ahead (a
-        # bucket's ranged reads wait on the network).
-        import grain
+        # Prepared sources only: a step's rows follow from the step, so grain's threads read steps ahead.
         stop = next((g.start for g in self.mixture.schedule.segments if not any(g.props)), 2**62)
-        if rows.step >= stop:
-            return iter(())
-        remote = any(r.corpus.directory.count("://") for r in self.mixture.readers)
-        threads = 16 if remote else 2
-        ds = grain.MapDataset.range(rows.step, stop).map(rows.batch)
-        return zip(ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=2 * threads)),
-                   ([[s]] * len(self.lanes) for s in range(rows.step + 1, stop + 1)))
+        remote = any(r.remote for r in self.mixture.readers)
+        return read_ahead(rows.batch, rows.step, stop, remote, lambda step: [[step]] * len(self.lanes))
 
     def global_state(self, local_states) -> dict:
-        rows, width = self.mixture.schedule.rows, self.mixture.width
-        lanes = np.full((rows, width), -1, np.int64)
-        lanes[self.lanes.start:self.lanes.stop] = np.asarray(local_states, np.int64).reshape(-1, width)
-        import jax
-        if jax.process_count() > 1:  # each process knows its own rows' lanes
-            from jax.experimental import multihost_utils
-            lanes = np.asarray(multihost_utils.process_allgather(lanes)).max(axis=0)
+        lanes = gather_lanes(local_states, self.lanes, self.mixture.schedule.rows, self.mixture.width)
         step = int(lanes[:, 0].max())
         return {"kind": "mixture", "sources": list(self.mixture.names), "step": step,
                 "weights": [round(w, 6) for w in self.mixture.schedule.weights(step)],
@@ -277,7 +270,7 @@ class MixtureReader:
         out = {}
         for i, (name, reader) in enumerate(zip(self.mixture.names, self.mixture.readers)):
             if i in streamed:
-                col = 1 + 6 * streamed.index(i)
+                col = self.mixture.lane_columns(streamed.index(i)).start  # (a lane's epoch: its first integer)
                 out[name] = float(min(s[col] for s in local_states))
             else:
                 out[name] = float(used[i]) / reader.count

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from maxtrain.data import rows as rows_lib
-from maxtrain.data.rows import BATCH_DTYPES, BATCH_KEYS  # noqa: F401 (the batch's layout, for the step)
+from maxtrain.data.rows import BATCH_KEYS
 from maxtrain.data.sources import DataError, DataReadError  # noqa: F401 (raised by the readers)
 from maxtrain.data.tokenizer import make_tokenizer
 
@@ -274,7 +274,7 @@ def make_iterators(c, batch_sharding, say=None):
     The eval name is the eval source's ("" for eval_files or a held-out part of train_files)."""
     if c.dataset_type == "synthetic" and not c.data_sources:
         return SyntheticIterator(c, batch_sharding), {}
-    from maxtrain.data.readers import make_readers
+    from maxtrain.data.from_config import make_readers
     tokenizer = make_tokenizer(c)
     share, shares, _ = host_region(batch_sharding, (c.global_batch_size, c.max_target_length))
     per_share = c.global_batch_size // shares

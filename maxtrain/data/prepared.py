@@ -24,6 +24,7 @@ import os
 import numpy as np
 
 from maxtrain.data import rows as rows_lib
+from maxtrain.data.readers import Reader, read_ahead
 from maxtrain.data.sources import DataError, DataReadError
 from maxtrain.runtime import storage
 from maxtrain.runtime.wording import counted
@@ -229,10 +230,12 @@ def listing(directory: str) -> dict[str, int]:
         raise DataError(f"{root}: cannot list: {storage.error_text(e)}") from None
 
 
-class PreparedReader:
-    """Rows of a prepared corpus (or a part of it: `first`, `count` rows). Training rows are shuffled by
-    grain's index shuffle, a new permutation each epoch; global row g of a run is step g // R, row g % R.
+class PreparedReader(Reader):
+    """Rows of a prepared corpus (or a part of it: `first`, `count` rows), by index. Training rows are shuffled
+    by grain's index shuffle, a new permutation each epoch; global row g of a run is step g // R, row g % R.
     The position is the step: nothing else to save."""
+
+    by_lane = False
 
     def __init__(self, corpus: Corpus, c, lanes: range, first: int, count: int, train: bool, seed: int | None = None):
         self.corpus, self.lanes, self.first, self.count, self.train = corpus, lanes, first, count, train
@@ -248,19 +251,15 @@ class PreparedReader:
 
     def open(self, step: int):
         """Batches from `step` on, each with the position after it; grain's threads read them ahead."""
-        import grain
         stop = self.steps if self.steps is not None else 2**62
-        if step >= stop:
-            return iter(())
-        threads = 16 if self.corpus.directory.count("://") else 2  # a bucket's ranged reads wait on the network
-        ds = grain.MapDataset.range(step, stop).map(self.batch)
-        return zip(ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=2 * threads)),
-                   range(step + 1, stop + 1))
+        return read_ahead(self.batch, step, stop, self.remote)
+
+    @property
+    def remote(self) -> bool:  # (a bucket's ranged reads wait on the network: read_ahead runs more threads)
+        return "://" in self.corpus.directory
 
     def batch(self, step: int) -> dict:
-        n, length = len(self.lanes), self.length
-        tokens, docs, valid = np.zeros((n, length + 1), np.int32), np.zeros((n, length + 1), np.int64), \
-            np.zeros((n, length + 1), bool)
+        tokens, docs, valid = rows_lib.buffers(len(self.lanes), self.length)
         for r, j in enumerate(self.lanes):
             g = step * self.rows + j
             if self.train or g < self.count:  # else the eval part ended: padding

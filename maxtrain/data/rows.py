@@ -17,6 +17,12 @@ BATCH_DTYPES = {"inputs": np.int32, "targets": np.int32, "positions": np.int32, 
 BATCH_KEYS = tuple(BATCH_DTYPES)
 
 
+def buffers(n: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """N empty windows of L + 1 tokens for a reader to fill, then `features`: (tokens_NxL1, docs_NxL1, valid_NxL1)."""
+    shape = (n, length + 1)
+    return np.zeros(shape, np.int32), np.zeros(shape, np.int64), np.zeros(shape, bool)
+
+
 def features(tokens_NxL1: np.ndarray, docs_NxL1: np.ndarray, valid_NxL1: np.ndarray) -> dict:
     """N windows of L + 1 tokens -> the batch's [N, L] arrays. `docs`: a label per token, equal for tokens of
     one document (and only those, within a row); `valid`: false where the window ran out of data (padding)."""

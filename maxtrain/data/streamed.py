@@ -7,8 +7,8 @@ pieces j, j + R, j + 2R, ... of that order; with fewer pieces than rows, the lan
 m-th of its documents each. Within a piece, documents are shuffled in windows of
 grain_shuffle_buffer_size, each window by its own seed, and tokenized a window at a time.
 
-A lane's position is six integers; the run's data position is every lane's, which does not depend on the
-number of processes: a process runs the lanes of its rows, from whatever position the checkpoint holds.
+A lane's position is LANE_POSITION integers; the run's data position is every lane's, which does not depend
+on the number of processes: a process runs the lanes of its rows, from whatever position the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -20,9 +20,15 @@ import zlib
 import numpy as np
 
 from maxtrain.data import rows as rows_lib
+from maxtrain.data.readers import Reader, gather_lanes
 from maxtrain.data.sources import DataError, Piece, documents
 
 EMPTY_EPOCHS = 16  # a lane that finds no token in this many passes over its share stops the run
+
+# A lane's position (Lane.state): its epoch, the piece within that epoch's share, the shuffle window within
+# the piece, the window's first document in the piece, the document within the window, the token within the
+# document. Checkpoints hold it as it is, lane after lane (a mixture's, after the step).
+LANE_POSITION = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +73,8 @@ class Lane:
 
     def __init__(self, stream: Stream, index: int, state=None):
         self.s, self.index = stream, index
-        # epoch, piece within this epoch's share, window within the piece, the window's first document in
-        # the piece, document within the window, token within the document
-        self.epoch, self.k, self.window_no, self.first, self.i, self.t = state or (0, 0, 0, 0, 0, 0)
+        # LANE_POSITION's integers, in its order
+        self.epoch, self.k, self.window_no, self.first, self.i, self.t = state or (0,) * LANE_POSITION
         self.label = 0  # a new label for each document: a row tells its documents apart by it
         self.window: list[np.ndarray] = []
         self._docs = None  # (index, text) of the current piece's documents, from the next window's first
@@ -182,10 +187,7 @@ class StreamedRows:
         return self
 
     def __next__(self):
-        n, length = len(self._lanes), self.s.length
-        tokens = np.zeros((n, length + 1), np.int32)
-        docs = np.zeros((n, length + 1), np.int64)
-        valid = np.zeros((n, length + 1), bool)
+        tokens, docs, valid = rows_lib.buffers(len(self._lanes), self.s.length)
         got = [lane.row(tokens[r], docs[r], valid[r]) for r, lane in enumerate(self._lanes)]
         if (self.stop_when == "any" and not all(got)) or not any(got):
             raise StopIteration
@@ -193,10 +195,10 @@ class StreamedRows:
 
 
 class WorkerRows:
-    """StreamedRows (or a mixture's MixedRows: `stream` is what makes the rows) with this process's lanes split between `workers` processes (spawned, each a contiguous
-    group of lanes): reading, parsing and tokenizing on several cores. Each worker sends its rows of every
-    batch with its lanes' positions; they are joined in lane order, so the batches are the same whatever
-    the number of workers."""
+    """StreamedRows (or a mixture's MixedRows: `stream` is what makes the rows) with this process's lanes split
+    between `workers` processes (spawned, each a contiguous group of lanes): reading, parsing and tokenizing
+    on several cores. Each worker sends its rows of every batch with its lanes' positions; they are joined in
+    lane order, so the batches are the same whatever the number of workers."""
 
     def __init__(self, stream, lanes: range, states: list | None, stop_when: str, workers: int):
         import multiprocessing
@@ -238,7 +240,7 @@ class WorkerRows:
                 if self.stop_when == "any":
                     raise StopIteration
                 n = len(group)
-                item = ("rows", rows_lib.padding(n, self.length), [[0] * 6] * n)  # eval: ended rows pad
+                item = ("rows", rows_lib.padding(n, self.length), [[0] * LANE_POSITION] * n)  # eval: ended rows pad
             parts.append(item)
         if all(self._ended):
             raise StopIteration
@@ -264,16 +266,18 @@ def _work(stream, lanes: range, states, stop_when: str, q) -> None:
         q.put(("error", str(e)))
 
 
-class StreamedReader:
-    """Rows of streamed files: one lane per row of the global batch (maxtrain.data.streamed); the position
-    is every lane's, gathered from every process when a checkpoint asks for it."""
+class StreamedReader(Reader):
+    """Rows of streamed files, by lane: one lane per row of the global batch (maxtrain.data.streamed); the
+    position is every lane's, gathered from every process when a checkpoint asks for it."""
+
+    by_lane = True
 
     def __init__(self, stream: Stream, lanes: range, stop_when: str, workers: int = 0):
         self.stream, self.lanes, self.stop_when = stream, lanes, stop_when
         self.workers = min(workers, len(lanes))
 
     def initial(self):
-        return [[0] * 6 for _ in self.lanes]
+        return [[0] * LANE_POSITION for _ in self.lanes]
 
     def open(self, local_states):
         """Batches from the lanes' positions on, each with the positions after it."""
@@ -284,12 +288,7 @@ class StreamedReader:
         return StreamedRows(self.stream, self.lanes, states, self.stop_when)
 
     def global_state(self, local_states) -> dict:
-        lanes = np.full((self.stream.rows, 6), -1, np.int32)
-        lanes[self.lanes.start:self.lanes.stop] = np.asarray(local_states, np.int64)
-        import jax  # (not in the worker processes)
-        if jax.process_count() > 1:  # each process knows its own rows' lanes
-            from jax.experimental import multihost_utils
-            lanes = np.asarray(multihost_utils.process_allgather(lanes)).max(axis=0)
+        lanes = gather_lanes(local_states, self.lanes, self.stream.rows, LANE_POSITION, np.int32)
         return {"kind": "streamed", "pieces": len(self.stream.pieces), "lanes": lanes.tolist()}
 
     def position(self, state: dict):
