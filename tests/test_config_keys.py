@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from maxtrain import train
 from maxtrain.config import load as config, schema
@@ -78,6 +79,7 @@ def test_range_and_values_come_from_the_declaration():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_names_its_family_and_print_config_shows_it(preset, capsys):
     named = config.load([BASE, f"model_name={preset}"]).model_family
+    assert yaml.safe_load((config.CONFIG_DIR / "models" / f"{preset}.yml").read_text())["model_family"] == named
     assert named == registry.family_of_keys(config.load([BASE, f"model_name={preset}"])).name
     assert train.main([BASE, f"model_name={preset}", "--print-config"]) == 0
     assert f"model_family: {named}\n" in capsys.readouterr().out

@@ -684,7 +684,7 @@ def test_prepare_refuses_bad_requests_in_one_line(tmp_path, capsys):
         ((f"train_files={tmp_path}/corpus/*", f"prepared_dir={tmp_path}/t", "tokenizer_type=sentencepiece"),
          "config error: tokenizer_path: (empty): no such file"),
         ((f"train_files={tmp_path}/corpus/*", f"prepared_dir={tmp_path}/t", "prepare_workers=0"),
-         "config error: prepare_workers: must be -1 (auto) or positive"),
+         "config error: prepare_workers: must be positive or -1 (auto), got 0"),
     ]
     for args, expected in cases[1:]:  # in this process: each is refused before any work starts
         code = prepare_main.main([str(REPO / "configs" / "base.yml"), *args])
