@@ -62,8 +62,8 @@ def preset_keys() -> tuple[str, ...]:
 
 def path_keys(*kinds: str) -> tuple[str, ...]:
     """The keys that name files or directories (of `kinds`: "input", "inputs", "output"; all where none)."""
-    return tuple(k for k in base_yml.names() if declared()[k].path and declared()[k].path in (kinds or
-                                                                                             (declared()[k].path,)))
+    kinds = kinds or ("input", "inputs", "output")
+    return tuple(k for k in base_yml.names() if declared()[k].path in kinds)
 
 
 def validate(c: dict[str, Any]) -> None:
