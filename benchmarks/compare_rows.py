@@ -64,6 +64,9 @@ SLICES_70B = ["model_name=llama3.1-70b", "compile_topology_num_slices=2", "ici_f
               "per_device_batch_size=2", "max_target_length=4096"]
 PIPELINE_70B = SLICES_70B + ["dcn_pipeline_parallelism=2", "num_pipeline_microbatches=4"]
 DEEPSEEK = ["max_target_length=1024", "weight_dtype=bfloat16", "mu_dtype=bfloat16"]
+LLAMA3_8B_V5P_8 = ["model_name=llama3-8b", "compile_topology=v5p-8", "per_device_batch_size=1", "max_target_length=2048"]
+LLAMA3_70B_V5P_64 = ["model_name=llama3.1-70b", "compile_topology=v5p-64", "per_device_batch_size=1",
+                     "max_target_length=2048"]
 AOT = [
     ("llama2-7b v5p-128", ["model_name=llama2-7b", "max_target_length=4096"], 14.23),
     ("llama3-8b v5p-128", ["model_name=llama3-8b", "max_target_length=8192"], 34.90),
@@ -106,6 +109,13 @@ AOT = [
                                                       "ici_expert_parallelism=32", "ici_fsdp_parallelism=-1"], 8.10),
     ("deepseek-v3 v5p-256 expert=128", DEEPSEEK + ["model_name=deepseek-v3", "compile_topology=v5p-256",
                                                    "ici_expert_parallelism=128", "ici_fsdp_parallelism=-1"], 80.08),
+    # Host offload (#64): the optimizer state (and the float32 weights) in pinned host memory; MaxText's figures:
+    # its own compile with the same keys, --maxtext.
+    ("llama3-8b v5p-8", LLAMA3_8B_V5P_8, float("nan")),
+    ("llama3-8b v5p-8 optimizer offload", LLAMA3_8B_V5P_8 + ["optimizer_memory_host_offload=true"], float("nan")),
+    ("llama3.1-70b v5p-64", LLAMA3_70B_V5P_64, float("nan")),
+    ("llama3.1-70b v5p-64 both offloads", LLAMA3_70B_V5P_64 + ["optimizer_memory_host_offload=true",
+                                                              "parameter_memory_host_offload=true"], float("nan")),
 ]
 # MaxText places an 8 x 8 mesh on the 4x4x4 torus only when told it may split a torus dimension.
 MAXTEXT_AOT_EXTRA = {"gpt-oss-120b expert=8": ["ici_expert_parallelism=1", "ici_fsdp_parallelism=-1"],

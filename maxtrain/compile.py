@@ -150,6 +150,7 @@ def compile_for(c_static: config_lib.Config) -> int:
     for note in trainer.notes:  # the pipeline's placement; dimensions left unsharded on an axis
         print(note)
     print(f"memory per device: {summary.format_memory(mem)} | HBM {hbm:.1f} GiB")
+    print(summary.state_placement(trainer, mem["total"]))
     print(f"model FLOPs per step: {flops:.3e} ({flops / len(devices) / 1e12:.1f} TFLOP per device)")
     if mem["total"] > hbm:
         print(f"does not fit: {mem['total']:.2f} GiB > {hbm:.1f} GiB HBM per device; {advice}", file=sys.stderr)

@@ -43,7 +43,9 @@ def dry_run(c: config_lib.Config, trainer: step_lib.Trainer) -> None:
     say(summary.param_table(trainer, c.num_active_params))
     with progress.heartbeat("compiling the train step"):
         compiled = trainer.compile_train_step()
-    say("train step memory per device:", summary.format_memory(summary.memory_report(compiled)))
+    report = summary.memory_report(compiled)
+    say("train step memory per device:", summary.format_memory(report))
+    say(summary.state_placement(trainer, report["total"]))
 
 
 def train(c: config_lib.Config, devices=None) -> dict:

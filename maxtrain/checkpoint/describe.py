@@ -46,6 +46,10 @@ def check_layout(saved: list[list], abstract, where: str, hint: str) -> None:
     """The saved arrays' paths, shapes and dtypes against this config's state (Orbax would cast)."""
     saved_by_path = {e[0]: e[1:3] for e in saved}
     ours = leaf_signature(abstract)
+    theirs_opt, ours_opt = optimizer_of(saved_by_path), optimizer_of(path for path, _, _ in ours)
+    if theirs_opt != ours_opt:
+        raise CheckpointError(f"{where}: the checkpoint holds {theirs_opt}'s optimizer state, this config has "
+                              f"opt_type={ours_opt}; {hint}")
     for path, shape, dtype in ours:
         theirs = saved_by_path.get(path)
         if theirs != [shape, dtype]:
@@ -55,6 +59,11 @@ def check_layout(saved: list[list], abstract, where: str, hint: str) -> None:
     if len(saved_by_path) != len(ours):
         raise CheckpointError(f"{where}: the checkpoint holds {len(saved_by_path)} arrays, this config's "
                               f"train state {len(ours)}; {hint}")
+
+
+def optimizer_of(paths) -> str:
+    """The opt_type whose state has these array paths: Muon's state is optax's partition of a 'muon' side."""
+    return "muon" if any(".inner_states['muon']" in path for path in paths) else "adamw"
 
 
 RESUME_HINT = "cannot resume this run with this config: a config that changes the train state needs a new run_name"

@@ -45,7 +45,9 @@ def leaf_signature(tree, prefix: str = "") -> list[list]:
 def digest(tree, prefix: str = "") -> tuple[list[list], bool]:
     """([path, shape, dtype, sum, weighted sum] per array, all floats finite), from device arrays."""
     mesh = jax.tree.leaves(tree)[0].sharding.mesh
-    fn = jax.jit(_sums_and_finite, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    in_device_memory = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), tree)  # host-offloaded state
+    fn = jax.jit(lambda t: _sums_and_finite(jax.device_put(t, in_device_memory)),
+                 out_shardings=NamedSharding(mesh, PartitionSpec()))
     sums, finite = jax.device_get(fn(tree))
     return [sig + [int(a), int(b)] for sig, (a, b) in zip(leaf_signature(tree, prefix), sums)], bool(finite)
 

@@ -96,6 +96,8 @@ class Engine:
         stacks = {s.name: s for s in stacks_lib.for_keys(self.c)}
         out = {}
         for path, x in traverse_util.flatten_dict(params).items():
+            if x.sharding.memory_kind == "pinned_host":  # a host-offloaded run's weights: a copy in for decoding
+                x = jax.device_put(x, x.sharding.with_memory_kind("device"))
             if path in target:
                 out[path] = jax.device_put(x, target[path])
                 continue

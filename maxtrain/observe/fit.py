@@ -46,7 +46,7 @@ def _check(what: str, need: float, device) -> None:
 
 def check_state(trainer) -> None:
     """The parameters and optimizer state alone, from their shapes and shardings."""
-    need = sum(summary.shard_bytes(x) for x in jax.tree.leaves(trainer.abstract_state))
+    need = sum(b.get("device", 0) for b in summary.state_bytes(trainer).values())  # not what lives on the host
     _check("the train state", need, trainer.mesh.devices.flat[0])
 
 

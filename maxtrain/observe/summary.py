@@ -59,3 +59,34 @@ def memory_report(compiled) -> dict[str, float]:
 
 def format_memory(report: dict[str, float]) -> str:
     return " | ".join(f"{k} {v:.3f} GiB" for k, v in report.items())
+
+
+def state_bytes(trainer) -> dict[str, dict[str, int]]:
+    """Bytes of the train state one device holds, by part (params, opt_state) and memory (device, pinned_host)."""
+    out = {}
+    for part in ("params", "opt_state"):
+        for x in jax.tree.leaves(getattr(trainer.abstract_state, part)):
+            memory = x.sharding.memory_kind or "device"
+            out.setdefault(part, {}).setdefault(memory, 0)
+            out[part][memory] += shard_bytes(x)
+    return out
+
+
+def state_placement(trainer, compiled_total_gib: float | None = None) -> str:
+    """Where the train state lives and its bytes per parameter on the device: the floor of these settings
+    (weights, their gradients and the optimizer's moments resident on the device) and, given the compiled
+    step's total, how far the plan is above it."""
+    held = state_bytes(trainer)
+    params = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(trainer.abstract_state.params))
+    grads = sum(held["params"].values())  # a gradient per parameter, in the parameters' dtype, on the device
+    on_device = {part: by_memory.get("device", 0) for part, by_memory in held.items()}
+    floor = (on_device["params"] + grads + on_device["opt_state"]) / params
+    where = " | ".join(f"{name} {', '.join(f'{b / GiB:.3f} GiB in {m}' for m, b in held[part].items())}"
+                       for part, name in (("params", "weights"), ("opt_state", "optimizer state")))
+    line = (f"train state per device: {where} | device bytes per parameter: floor {floor:.1f} (weights "
+            f"{on_device['params'] / params:.1f} + gradients {grads / params:.1f} + optimizer "
+            f"{on_device['opt_state'] / params:.1f})")
+    if compiled_total_gib is not None:
+        plan = compiled_total_gib * GiB / params
+        line += f", plan {plan:.1f} ({plan / floor:.2f}x the floor: activations, temporaries, buffers)"
+    return line

@@ -1,15 +1,21 @@
-"""optax chain: clip by global norm -> AdamW (decay masked as the model's family says: off norms and biases),
-warmup + decay schedule; parameters the family does not train get no update."""
+"""optax chain: clip by global norm -> AdamW or Muon (decay masked as the model's family says: off norms and
+biases), warmup + decay schedule; parameters the family does not train get no update."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.transforms import MaskedNode
+
 from maxtrain.config.keys import ConfigError
 from maxtrain.config.load import Config
 from maxtrain.models import registry
+from maxtrain.parallel import pipeline
 
 
 def warmup_steps(c) -> int:
@@ -127,11 +133,99 @@ def only_trained(inner: optax.GradientTransformation, trained) -> optax.Gradient
     return optax.GradientTransformation(inner.init, update)
 
 
-def make_optimizer(c: Config) -> optax.GradientTransformation:
+# Axes of a weight that hold separate matrices: each layer's (scanned, or a pipeline's stack) and each expert's
+# is orthogonalized alone.
+MATRIX_BATCH_AXES = ("layers", pipeline.LAYERS_AXIS, "experts")
+
+
+def muon_dimensions(logical_names: tuple) -> MuonDimensionNumbers | None:
+    """Which axes of a weight (by its logical axis names) are the matrix Muon orthogonalizes: the input (reduction)
+    axes and the output axes, the rest separate matrices; None for AdamW's: the embedding and the output head (a
+    vocab axis), norms, biases and anything with fewer than two axes of its own. A projection into the model's
+    width ends in embed (attention's out: heads x head_dim -> embed); any other takes its first axis in (q:
+    embed -> heads x head_dim, MLA's wkv_b: kv_lora -> heads x head_dim, the router: embed -> experts)."""
+    own = [i for i, name in enumerate(logical_names) if name not in MATRIX_BATCH_AXES]
+    if len(own) < 2 or "vocab" in logical_names or "norm" in logical_names:
+        return None
+    if logical_names[own[-1]] == "embed":
+        return MuonDimensionNumbers(reduction_axis=tuple(own[:-1]), output_axis=(own[-1],))
+    return MuonDimensionNumbers(reduction_axis=(own[0],), output_axis=tuple(own[1:]))
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _muon(c: Config, logical_specs, schedule, decayed) -> optax.GradientTransformation:
+    """Muon (Newton-Schulz orthogonalized Nesterov momentum) for the hidden matrices and AdamW for the rest, as
+    optax.contrib.muon partitions them, with the family's decay mask on both sides (optax's own leaves AdamW's
+    side unmasked, decaying norms) and AdamW's side the plain AdamW of opt_type=adamw. Under a sharded mesh each
+    matrix is orthogonalized whole: the step is one SPMD program over the global arrays, so XLA gathers or
+    reduces across the shards what X @ X.T needs."""
+    if logical_specs is None:
+        raise ValueError("opt_type=muon needs the parameters' logical axis names")
+    dims = jax.tree.map(lambda spec: muon_dimensions(tuple(spec)), logical_specs, is_leaf=_is_spec)
+    is_dims = lambda x: x is None or isinstance(x, (MuonDimensionNumbers, MaskedNode))  # noqa: E731
+    labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims, is_leaf=is_dims)
+
+    def muon_dims(updates):  # the Muon side sees the AdamW side's leaves as MaskedNodes: so must its numbers
+        return jax.tree.map(lambda d, label: d if label == "muon" else MaskedNode(), dims, labels, is_leaf=is_dims)
+
+    matrices = optax.chain(
+        scale_by_muon(beta=c.muon_beta, eps=c.adam_eps, mu_dtype=jnp.dtype(c.mu_dtype),
+                      weight_dimension_numbers=muon_dims),
+        _scale_by_shape(muon_dims, c.muon_consistent_rms),
+        optax.add_decayed_weights(c.muon_weight_decay, decayed),
+        optax.scale_by_learning_rate(schedule))
+    return optax.partition({"muon": matrices, "adam": _adamw(c, schedule, decayed)}, labels)
+
+
+def _scale_by_shape(muon_dims, consistent_rms: float) -> optax.GradientTransformation:
+    """An orthogonalized update times sqrt(max(fan_in, fan_out)) x consistent_rms (its RMS is then about that:
+    Moonlight's, arXiv:2502.16982), or at 0 sqrt(max(1, fan_out / fan_in)) (Keller Jordan's width scaling), as
+    optax.contrib.muon does (its transform is not exported)."""
+    def scale(update, dims):
+        fan_in = math.prod(update.shape[a] for a in dims.reduction_axis)
+        fan_out = math.prod(update.shape[a] for a in dims.output_axis)
+        factor = (math.sqrt(max(fan_in, fan_out)) * consistent_rms if consistent_rms
+                  else math.sqrt(max(1, fan_out / fan_in)))
+        return update * jnp.asarray(factor, update.dtype)
+
+    def update(updates, state, params=None):
+        del params
+        is_dims = lambda x: isinstance(x, MuonDimensionNumbers)  # noqa: E731
+        return jax.tree.map(scale, updates, muon_dims(updates), is_leaf=is_dims), state
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _adamw(c: Config, schedule, decayed) -> optax.GradientTransformation:
+    adamw = optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps, eps_root=c.adam_eps_root,
+                        weight_decay=c.adam_weight_decay, mu_dtype=jnp.dtype(c.mu_dtype), mask=decayed)
+    # optax keeps the second moment in the parameters' dtype
+    return adamw if c.nu_dtype == c.weight_dtype else second_moment_in(jnp.dtype(c.nu_dtype), adamw)
+
+
+def second_moment_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` with Adam's second moment stored in `dtype` (optax has mu_dtype, no nu_dtype): read back in
+    float32 for the update, written narrowed after it."""
+    is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
+
+    def cast(state, to):
+        return jax.tree.map(lambda s: s._replace(nu=optax.tree.cast(s.nu, to)) if is_adam(s) else s, state,
+                            is_leaf=is_adam)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
+
+
+def make_optimizer(c: Config, logical_specs=None) -> optax.GradientTransformation:
+    """`logical_specs`: the parameters' logical axis names (PartitionSpecs), which Muon reads its matrices from."""
     spec = registry.spec_for(c)  # the model's family says which parameters train and which decay
-    adamw = optax.adamw(learning_rate_schedule(c), b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
-                        eps_root=c.adam_eps_root, weight_decay=c.adam_weight_decay, mu_dtype=jnp.dtype(c.mu_dtype),
-                        mask=spec.decayed)
+    schedule = learning_rate_schedule(c)
+    inner = (_muon(c, logical_specs, schedule, spec.decayed) if c.opt_type == "muon"
+             else _adamw(c, schedule, spec.decayed))
     if c.gradient_clipping_threshold > 0:
-        adamw = optax.chain(optax.clip_by_global_norm(c.gradient_clipping_threshold), adamw)
-    return only_trained(adamw, spec.trained)
+        inner = optax.chain(optax.clip_by_global_norm(c.gradient_clipping_threshold), inner)
+    return only_trained(inner, spec.trained)

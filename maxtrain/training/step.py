@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax.transforms import MaskedNode
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain.ops import attention
-from maxtrain.training import loss
+from maxtrain.training import loss, offload
 from maxtrain.parallel import mesh as mesh_lib
 from maxtrain.models import moe, mtp, quantization
 from maxtrain.config.load import Config
@@ -144,7 +145,6 @@ class Trainer:
 
 def build(c: Config, mesh) -> Trainer:
     model = quantization.quantize(registry.spec_for(c).build(c), c)
-    tx = make_optimizer(c)
     rules = rules_lib.axis_rules(c)
     dummy_tokens = jnp.zeros((1, c.max_target_length), jnp.int32)
 
@@ -160,19 +160,29 @@ def build(c: Config, mesh) -> Trainer:
     rng = jax.random.key(c.init_weights_seed)
     boxed = jax.eval_shape(model.init, rng, dummy_tokens)["params"]
     param_specs = nn.get_partition_spec(boxed)
+    tx = make_optimizer(c, param_specs)
     param_shapes = nn.meta.unbox(boxed)
     param_shardings = rules_lib.param_shardings(param_specs, param_shapes, mesh, rules)
     notes = rules_lib.uneven_notes(param_specs, param_shapes, rules, dict(mesh.shape))
+    offloaded = [k for k in ("optimizer_memory_host_offload", "parameter_memory_host_offload") if c[k]]
+    if offloaded and mesh.devices.flat[0].platform == "cpu":
+        notes.append(f"{' and '.join(offloaded)}: no effect on CPU (its device memory is the host's); the state goes "
+                     "to pinned_host memory and back as on TPU and GPU")
     if model.args.plan.schedule.active:
         notes.insert(0, pipeline.placement([(s.name, s.count, s.moe) for s in model.args.stacks()],
                                            model.args.plan.schedule))
     abstract = jax.eval_shape(state_of, param_shapes)  # not init_state: one trace of the model fewer
     replicated = rules_lib.replicated(mesh)
     # Optimizer moments are shaped like the params and sharded like them; counters are replicated.
+    # (Muon's two sides each hold MaskedNodes where the other side's parameters are.)
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
-        transform_non_params=lambda _: replicated)
-    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+        tx, lambda leaf, sharding: leaf if isinstance(leaf, MaskedNode) else sharding, abstract.opt_state,
+        param_shardings, transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, MaskedNode))
+    on_device = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    # Host offload: the state's home is pinned host memory; the step brings it in and its outputs go back.
+    state_shardings = on_device.replace(
+        params=_on_host(param_shardings) if c.parameter_memory_host_offload else param_shardings,
+        opt_state=_on_host(opt_shardings) if c.optimizer_memory_host_offload else opt_shardings)
 
     batch_sharding = rules_lib.sharding_for(("batch", "length"), mesh, rules)
     # On CPU most of the compile time goes to LLVM, and at level 1 it takes less of it; the step runs
@@ -182,15 +192,16 @@ def build(c: Config, mesh) -> Trainer:
     level_set = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
     cpu_compile = {"xla_backend_optimization_level": 1} if on_cpu and not level_set else None
     init = jax.jit(init_state, out_shardings=state_shardings, compiler_options=cpu_compile)
-    step_fn = _make_step(c, model, tx, mesh, param_shardings, batch_sharding)
+    step_fn = _make_step(c, model, tx, mesh, on_device, state_shardings, batch_sharding)
     train_step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
                          out_shardings=(state_shardings, replicated), donate_argnums=0,
                          compiler_options=cpu_compile)
     balance = load_balancer(c)
-    eval_step = jax.jit(lambda params, batch: {k: v for k, v in loss_fn(params, model, balance(batch), 0.0,
-                                                                     c.loss_chunk_size)[1].items()
-                                               if k in ("loss_sum", "tokens")},
-                        in_shardings=(param_shardings, batch_sharding), out_shardings=replicated,
+    def evaluate(params, batch):
+        params = jax.device_put(params, param_shardings)
+        return {k: v for k, v in loss_fn(params, model, balance(batch), 0.0, c.loss_chunk_size)[1].items()
+                if k in ("loss_sum", "tokens")}
+    eval_step = jax.jit(evaluate, in_shardings=(state_shardings.params, batch_sharding), out_shardings=replicated,
                         compiler_options=cpu_compile)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, state_shardings)
@@ -199,11 +210,19 @@ def build(c: Config, mesh) -> Trainer:
                       mixed=bool(c.data_sources))
     if to_run_order is not _same:
         def convert(fn, donate):  # for a state or its params: runs once per save or restore
-            jitted = {kind: jax.jit(fn, out_shardings=shardings, donate_argnums=(0,) if donate else ())
-                      for kind, shardings in (("state", state_shardings), ("params", param_shardings))}
+            def in_device_memory(device):  # the tree from its home (host memory, where offloaded)
+                return lambda tree: fn(jax.device_put(tree, device))
+            jitted = {kind: jax.jit(in_device_memory(device), out_shardings=shardings,
+                                    donate_argnums=(0,) if donate else ())
+                      for kind, device, shardings in (("state", on_device, state_shardings),
+                                                      ("params", param_shardings, state_shardings.params))}
             return lambda tree: jitted["state" if isinstance(tree, TrainState) else "params"](tree)
         trainer.to_saved, trainer.to_run = convert(to_model_order, False), convert(to_run_order, True)
     return trainer
+
+
+def _on_host(shardings):
+    return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
 
 
 def _same(tree):
@@ -221,7 +240,8 @@ def _layer_orders(model) -> tuple[Callable, Callable]:
             functools.partial(pipeline.to_model_order, names={name}, layers=count, schedule=schedule))
 
 
-def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
+def _make_step(c: Config, model, tx, mesh, on_device: TrainState, on_host: TrainState, batch_sharding):
+    param_shardings = on_device.params
     accum = c.gradient_accumulation_steps
     schedule = learning_rate_schedule(c)
     grad_fn = functools.partial(jax.value_and_grad(loss_fn, has_aux=True), model=model, z_loss_multiplier=c.z_loss_multiplier,
@@ -249,6 +269,9 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
     sources = len(c.data_sources)
 
     def step(state: TrainState, batch: dict):
+        # A host-offloaded state comes in when needed: the weights now, the optimizer's after the gradients (not
+        # beside the backward pass's activations).
+        state = state.replace(params=jax.device_put(state.params, on_device.params))
         checksum = rows.checksum(batch, jnp)  # of the batch as the data pipeline made it
         if sources:  # each source's tokens in this batch (the realized mixture), then the model's inputs alone
             source_ids = batch.pop("source_ids")
@@ -272,13 +295,22 @@ def _make_step(c: Config, model, tx, mesh, param_shardings, batch_sharding):
         # state as they were, on device (no host sync). A cond, not a select: as fast as no guard.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        def update(_):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+        if c.optimizer_memory_host_offload:  # the state streams through the device a parameter at a time
+            grads = jax.lax.optimization_barrier(grads)  # once the backward pass is done
+            params, opt_state = offload.streamed_update(tx, grads, state.opt_state, state.params, finite,
+                                                        c.gradient_clipping_threshold, on_device.opt_state,
+                                                        on_host.opt_state)
             if c.routed_bias:
-                params = moe.update_router_bias(params, moe_layers, c.routed_bias_update_rate)
-            return params, opt_state
-        params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
+                params = jax.tree.map(lambda a, b: jnp.where(finite, a, b), moe.update_router_bias(
+                    params, moe_layers, c.routed_bias_update_rate), params)
+        else:
+            def update(_):
+                updates, opt_state = tx.update(grads, state.opt_state, state.params)
+                params = optax.apply_updates(state.params, updates)
+                if c.routed_bias:
+                    params = moe.update_router_bias(params, moe_layers, c.routed_bias_update_rate)
+                return params, opt_state
+            params, opt_state = jax.lax.cond(finite, update, lambda _: (state.params, state.opt_state), None)
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": aux["tokens"], "nonfinite": 1.0 - finite.astype(jnp.float32), "batch_checksum": checksum}
         if sources:

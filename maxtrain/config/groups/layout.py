@@ -265,6 +265,8 @@ declare(
     layout("moe_grouped_matmul", choices=("auto", "tokamax", "megablox", "ragged_dot", "blocked"), auto="auto",
            choose=grouped_matmul_for, check_resolved=_megablox_on_tpu),
     layout("scan_unroll", at_least=1, auto=-1, why="auto", choose=scan_unroll_for),
+    layout("optimizer_memory_host_offload"),
+    layout("parameter_memory_host_offload"),
     layout("remat_policy", choices=_remat_policies),
     layout("mlp_chunk_size", choose=mlp_chunk_for, **_chunk("mlp_chunk_size")),
     _parallelism("ici", "stage", check=_one_fill("ici")),

@@ -3,6 +3,7 @@ the weights start from."""
 
 from __future__ import annotations
 
+from maxtrain.runtime import base_yml
 from maxtrain.runtime.declaration import Key, declare
 from maxtrain.models import quantization
 from maxtrain.runtime.errors import ConfigError
@@ -29,6 +30,14 @@ def _dense_capacity(c) -> str | None:
     return None
 
 
+def _muon_only(key: str):
+    def no_effect(c) -> str | None:
+        if c["opt_type"] != "muon" and c[key] != base_yml.default(key):
+            return f"{key}: {c[key]} has no effect: opt_type={c['opt_type']} (it is Muon's)"
+        return None
+    return no_effect
+
+
 def training(name: str, **kw) -> Key:
     return Key(name, "training", **kw)
 
@@ -45,6 +54,7 @@ declare(
     training("dtype", choices=("auto", *DTYPES), auto="auto", choose=dtype_for),
     training("weight_dtype", choices=DTYPES),
     training("mu_dtype", choices=DTYPES),
+    training("nu_dtype", choices=("auto", *DTYPES), auto="auto", choose=lambda c, platform: c["weight_dtype"]),
     training("logits_dot_in_fp32"),
     training("quantization", choices=("", *quantization.MODES),
              check=lambda c: quantization.validate(c, ConfigError)),
@@ -62,6 +72,10 @@ declare(
     training("adam_eps", **AT_LEAST_0),
     training("adam_eps_root", **AT_LEAST_0),
     training("adam_weight_decay", **AT_LEAST_0),
+    training("opt_type", choices=("adamw", "muon")),
+    training("muon_beta", at_least=0, below=1, no_effect=_muon_only("muon_beta")),
+    training("muon_weight_decay", **AT_LEAST_0, no_effect=_muon_only("muon_weight_decay")),
+    training("muon_consistent_rms", **AT_LEAST_0, no_effect=_muon_only("muon_consistent_rms")),
     training("gradient_clipping_threshold", **AT_LEAST_0),
     training("z_loss_multiplier", **AT_LEAST_0),
     training("load_full_state_path", path="input"),
