@@ -114,6 +114,7 @@ AOT = [
     ("llama3-8b v5p-8", LLAMA3_8B_V5P_8, float("nan")),
     ("llama3-8b v5p-8 optimizer offload", LLAMA3_8B_V5P_8 + ["optimizer_memory_host_offload=true"], float("nan")),
     ("llama3.1-70b v5p-64", LLAMA3_70B_V5P_64, float("nan")),
+    ("llama3.1-70b v5p-64 optimizer offload", LLAMA3_70B_V5P_64 + ["optimizer_memory_host_offload=true"], float("nan")),
     ("llama3.1-70b v5p-64 both offloads", LLAMA3_70B_V5P_64 + ["optimizer_memory_host_offload=true",
                                                               "parameter_memory_host_offload=true"], float("nan")),
 ]
@@ -130,6 +131,8 @@ MAXTEXT_AOT_EXTRA = {"gpt-oss-120b expert=8": ["ici_expert_parallelism=1", "ici_
                                                         "ici_fsdp_parallelism=-1", "allow_split_physical_axes=true"],
                      "llama2-7b int8": ["use_qwix_quantization=true"],
                      "llama2-7b fp8_full": ["use_qwix_quantization=true"],
+                     # MaxText offloads the weights only with the layers on the scan's axis 0 (it asserts so)
+                     "llama3.1-70b v5p-64 both offloads": ["param_scan_axis=0"],
                      # MaxText's stage runs 1 layer per visit by default (circular); 40 is GPipe's
                      "llama3.1-70b 2 slices GPipe": ["num_layers_per_pipeline_stage=40"]}
 # Where the issue's MaxText figure is not a plan that fits: printed instead of the figure.

@@ -38,20 +38,23 @@ def test_the_second_moment_in_bfloat16(tiny_config):
 
 
 @pytest.mark.slow
-def test_host_offload_trains_checkpoints_and_resumes_as_without(train_tiny, tmp_path, capsys):
+@pytest.mark.parametrize("tier", ["persistent", "local"])
+def test_host_offload_trains_checkpoints_and_resumes_as_without(train_tiny, tmp_path, capsys, tier):
     """On CPU the host's memory is the device's (the first lines say so), but the path is TPU's and GPU's: the
     state's home is pinned_host, the step streams it through the device, saves read it there, a restore puts it
     back there. Losses are those of the run without offload, across resumes that turn it off and on again."""
     common = ("learning_rate_schedule_steps=4", "ici_fsdp_parallelism=2", "per_device_batch_size=2")
     plain = train_tiny("steps=4", *common, "run_name=plain", n_devices=2)["losses"]
-    saved = (*common, "run_name=off", "enable_checkpointing=true", "checkpoint_period=1")
+    saved = (*common, "run_name=off", "enable_checkpointing=true", "checkpoint_period=1") if tier == "persistent" \
+        else (*common, "run_name=off", "enable_checkpointing=true", "checkpoint_period=100",
+              f"local_checkpoint_directory={tmp_path}/local", "local_checkpoint_period=1")
     first = train_tiny(*OFFLOAD, "steps=2", *saved, n_devices=2)
     assert "no effect on CPU (its device memory is the host's)" in capsys.readouterr().out
     state = first["state"]
     assert {x.sharding.memory_kind for x in jax.tree.leaves((state.params, state.opt_state))} == {"pinned_host"}
     without = train_tiny("steps=3", *saved, n_devices=2)["losses"]  # saved with offload, resumed without
     again = train_tiny(*OFFLOAD, "steps=4", *saved, n_devices=2)["losses"]  # and back
-    assert capsys.readouterr().out.count("resumed from") == 2
+    assert capsys.readouterr().out.count(f"of the {tier} tier" if tier == "local" else "resumed from") == 2
     np.testing.assert_allclose([*first["losses"], *without, *again], plain, rtol=1e-6)
 
 
@@ -68,3 +71,14 @@ def test_dry_run_says_where_the_state_lives_and_its_bytes_per_parameter(tmp_path
     assert "floor 16.0 (weights 4.0 + gradients 4.0 + optimizer 8.0), plan" in lines["adamw"]
     assert "floor 12.0 (weights 4.0 + gradients 4.0 + optimizer 4.0)" in lines["narrow"]
     assert "in pinned_host" in lines["offload"] and "optimizer 0.0)" in lines["offload"]
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_leaves_the_offloaded_state_as_it_was(train_tiny, monkeypatch):
+    """The streamed update keeps each part as it was when the step is not finite (a select per part): the same
+    losses as the run without offload, before and after a poisoned batch."""
+    from test_faults import Poisoned, stream
+    stream(monkeypatch, Poisoned, [2])
+    runs = [train_tiny("steps=5", f"run_name=r{i}", *overrides)["losses"] for i, overrides in enumerate(((), OFFLOAD))]
+    assert np.isnan(runs[0][2]) and np.isnan(runs[1][2])
+    np.testing.assert_allclose(np.delete(runs[1], 2), np.delete(runs[0], 2), rtol=1e-6)

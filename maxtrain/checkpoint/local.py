@@ -217,7 +217,8 @@ def assemble(shards: dict | None, abstract_state):
             data = shards.get((name, place)) if shards is not None else None
             if data is None:
                 data = np.zeros([b - a_ for a_, b in _place(index, a.shape)], a.dtype)
-            arrays.append(jax.device_put(data, device))
+            kind = a.sharding.memory_kind  # pinned_host for a host-offloaded state
+            arrays.append(jax.device_put(data, jax.sharding.SingleDeviceSharding(device, memory_kind=kind)))
         return jax.make_array_from_single_device_arrays(a.shape, a.sharding, arrays)
     return jax.tree_util.tree_map_with_path(leaf, abstract_state)
 
@@ -247,7 +248,9 @@ def fill_from_replicas(state):
         return jax.shard_map(block_max, mesh=sharding.mesh, in_specs=spec, out_specs=spec)(x)
     leaves, tree = jax.tree.flatten(state)
     shardings = [x.sharding for x in leaves]
-    filled = jax.jit(lambda xs: [fill(x, s) for x, s in zip(xs, shardings)], out_shardings=shardings)(leaves)
+    on_device = [s.with_memory_kind("device") for s in shardings]  # a host-offloaded state: computed in device memory
+    filled = jax.jit(lambda xs: [fill(x, s) for x, s in zip(jax.device_put(xs, on_device), shardings)],
+                     out_shardings=shardings)(leaves)
     return jax.tree.unflatten(tree, filled)
 
 
