@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from maxtrain.parallel import rules
+
 
 class Corrupt(Exception):
     """What was read does not match its digest (or cannot be read); the restore falls back past it."""
@@ -45,8 +47,8 @@ def leaf_signature(tree, prefix: str = "") -> list[list]:
 def digest(tree, prefix: str = "") -> tuple[list[list], bool]:
     """([path, shape, dtype, sum, weighted sum] per array, all floats finite), from device arrays."""
     mesh = jax.tree.leaves(tree)[0].sharding.mesh
-    in_device_memory = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), tree)  # host-offloaded state
-    fn = jax.jit(lambda t: _sums_and_finite(jax.device_put(t, in_device_memory)),
+    on_device = rules.in_device_memory(jax.tree.map(lambda x: x.sharding, tree))  # a host-offloaded state
+    fn = jax.jit(lambda t: _sums_and_finite(jax.device_put(t, on_device)),
                  out_shardings=NamedSharding(mesh, PartitionSpec()))
     sums, finite = jax.device_get(fn(tree))
     return [sig + [int(a), int(b)] for sig, (a, b) in zip(leaf_signature(tree, prefix), sums)], bool(finite)

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec
 
 from maxtrain.checkpoint.describe import os_error_text
 from maxtrain.checkpoint.digest import Corrupt
+from maxtrain.parallel import rules
 
 
 class Stale(Corrupt):
@@ -248,7 +249,7 @@ def fill_from_replicas(state):
         return jax.shard_map(block_max, mesh=sharding.mesh, in_specs=spec, out_specs=spec)(x)
     leaves, tree = jax.tree.flatten(state)
     shardings = [x.sharding for x in leaves]
-    on_device = [s.with_memory_kind("device") for s in shardings]  # a host-offloaded state: computed in device memory
+    on_device = rules.in_device_memory(shardings)  # a host-offloaded state: computed in device memory
     filled = jax.jit(lambda xs: [fill(x, s) for x, s in zip(jax.device_put(xs, on_device), shardings)],
                      out_shardings=shardings)(leaves)
     return jax.tree.unflatten(tree, filled)

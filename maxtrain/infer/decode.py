@@ -97,7 +97,7 @@ class Engine:
         out = {}
         for path, x in traverse_util.flatten_dict(params).items():
             if x.sharding.memory_kind == "pinned_host":  # a host-offloaded run's weights: a copy in for decoding
-                x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+                x = jax.device_put(x, rules_lib.in_device_memory(x.sharding))
             if path in target:
                 out[path] = jax.device_put(x, target[path])
                 continue

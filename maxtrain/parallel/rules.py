@@ -104,6 +104,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def in_device_memory(shardings):
+    """The same shardings in the device's memory: where a host-offloaded state (pinned_host) is computed on."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+
+
 def param_shardings(logical_specs, shapes, mesh: Mesh, rules: tuple):
     """NamedShardings of the parameters from their logical specs (a tree of PartitionSpecs) and shapes
     (a matching tree of arrays or ShapeDtypeStructs), each dimension only on the axes that divide it."""
