@@ -113,6 +113,8 @@ AOT = [
     # its own compile with the same keys, --maxtext.
     ("llama3-8b v5p-8", LLAMA3_8B_V5P_8, float("nan")),
     ("llama3-8b v5p-8 optimizer offload", LLAMA3_8B_V5P_8 + ["optimizer_memory_host_offload=true"], float("nan")),
+    ("llama3-8b v5p-8 both offloads", LLAMA3_8B_V5P_8 + ["optimizer_memory_host_offload=true",
+                                                        "parameter_memory_host_offload=true"], float("nan")),
     ("llama3.1-70b v5p-64", LLAMA3_70B_V5P_64, float("nan")),
     ("llama3.1-70b v5p-64 optimizer offload", LLAMA3_70B_V5P_64 + ["optimizer_memory_host_offload=true"], float("nan")),
     ("llama3.1-70b v5p-64 both offloads", LLAMA3_70B_V5P_64 + ["optimizer_memory_host_offload=true",
@@ -132,6 +134,7 @@ MAXTEXT_AOT_EXTRA = {"gpt-oss-120b expert=8": ["ici_expert_parallelism=1", "ici_
                      "llama2-7b int8": ["use_qwix_quantization=true"],
                      "llama2-7b fp8_full": ["use_qwix_quantization=true"],
                      # MaxText offloads the weights only with the layers on the scan's axis 0 (it asserts so)
+                     "llama3-8b v5p-8 both offloads": ["param_scan_axis=0"],
                      "llama3.1-70b v5p-64 both offloads": ["param_scan_axis=0"],
                      # MaxText's stage runs 1 layer per visit by default (circular); 40 is GPipe's
                      "llama3.1-70b 2 slices GPipe": ["num_layers_per_pipeline_stage=40"]}

@@ -330,12 +330,20 @@ def test_metrics_resume_and_accumulation(train_tiny, tmp_path):
 
 @pytest.mark.slow
 def test_deepseek_style_bias_moves_towards_balance(train_tiny):
-    out = train_tiny(*DEEPSEEK_TINY, "routed_bias_update_rate=0.01", "steps=4", "capacity_factor=1.5")
+    """... and moves the same with the weights and the optimizer state in host memory (the biases come in for
+    their update after the streamed one)."""
+    common = (*DEEPSEEK_TINY, "routed_bias_update_rate=0.01", "steps=4", "capacity_factor=1.5")
+    out = train_tiny(*common, "run_name=plain")
     bias = np.asarray(out["state"].params["moe_layers"]["mlp"]["router_bias"])
     assert bias.shape == (2, 8)
     # every step moves every expert's bias by exactly +-rate (or 0 at exactly the mean load)
     assert np.all(np.abs(bias) <= 4 * 0.01 + 1e-6) and np.any(bias != 0)
     assert np.all(np.isfinite(out["losses"]))
+    offloaded = train_tiny(*common, "run_name=offloaded", "optimizer_memory_host_offload=true",
+                           "parameter_memory_host_offload=true")["state"].params
+    np.testing.assert_array_equal(offloaded["moe_layers"]["mlp"]["router_bias"], bias)
+    for a, b in zip(jax.tree.leaves(offloaded), jax.tree.leaves(out["state"].params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_update_router_bias_raises_underloaded_experts():

@@ -62,7 +62,7 @@ def test_dry_run_says_where_the_state_lives_and_its_bytes_per_parameter(tmp_path
     from maxtrain import train
     lines = {}
     for name, overrides in (("adamw", ()), ("narrow", ("nu_dtype=bfloat16", "mu_dtype=bfloat16")),
-                            ("offload", ("optimizer_memory_host_offload=true",))):
+                            ("offload", ("optimizer_memory_host_offload=true",)), ("both", OFFLOAD)):
         c = train.load_config([TINY, "dry_run=true", f"base_output_directory={tmp_path}",
                                *overrides], jax.devices()[:1])
         train.train(c, jax.devices()[:1])
@@ -71,6 +71,9 @@ def test_dry_run_says_where_the_state_lives_and_its_bytes_per_parameter(tmp_path
     assert "floor 16.0 (weights 4.0 + gradients 4.0 + optimizer 8.0), plan" in lines["adamw"]
     assert "floor 12.0 (weights 4.0 + gradients 4.0 + optimizer 4.0)" in lines["narrow"]
     assert "in pinned_host" in lines["offload"] and "optimizer 0.0)" in lines["offload"]
+    # offloaded weights still come in for the forward and backward passes: the floor counts them
+    assert "device: weights 0.000 GiB in pinned_host | optimizer" in lines["both"]
+    assert "floor 8.0 (weights 4.0 + gradients 4.0 + optimizer 0.0)" in lines["both"]
 
 
 @pytest.mark.slow
@@ -79,6 +82,8 @@ def test_a_non_finite_step_leaves_the_offloaded_state_as_it_was(train_tiny, monk
     losses as the run without offload, before and after a poisoned batch."""
     from test_faults import Poisoned, stream
     stream(monkeypatch, Poisoned, [2])
-    runs = [train_tiny("steps=5", f"run_name=r{i}", *overrides)["losses"] for i, overrides in enumerate(((), OFFLOAD))]
-    assert np.isnan(runs[0][2]) and np.isnan(runs[1][2])
-    np.testing.assert_allclose(np.delete(runs[1], 2), np.delete(runs[0], 2), rtol=1e-6)
+    runs = [train_tiny("steps=5", f"run_name=r{i}", *overrides)["losses"]
+            for i, overrides in enumerate(((), OFFLOAD, OFFLOAD[1:]))]  # the weights alone offloaded too
+    for run in runs[1:]:
+        assert np.isnan(runs[0][2]) and np.isnan(run[2])
+        np.testing.assert_allclose(np.delete(run, 2), np.delete(runs[0], 2), rtol=1e-6)

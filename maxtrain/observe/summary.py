@@ -78,14 +78,15 @@ def state_placement(trainer, compiled_total_gib: float | None = None) -> str:
     step's total, how far the plan is above it."""
     held = state_bytes(trainer)
     params = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(trainer.abstract_state.params))
-    grads = sum(held["params"].values())  # a gradient per parameter, in the parameters' dtype, on the device
-    on_device = {part: by_memory.get("device", 0) for part, by_memory in held.items()}
-    floor = (on_device["params"] + grads + on_device["opt_state"]) / params
+    # The weights are on the device for the forward and backward passes wherever they live (offloaded, as a copy
+    # that the update no longer needs), and a gradient per parameter in their dtype.
+    weights = grads = sum(held["params"].values())
+    optimizer = held["opt_state"].get("device", 0)
+    floor = (weights + grads + optimizer) / params
     where = " | ".join(f"{name} {', '.join(f'{b / GiB:.3f} GiB in {m}' for m, b in held[part].items())}"
                        for part, name in (("params", "weights"), ("opt_state", "optimizer state")))
     line = (f"train state per device: {where} | device bytes per parameter: floor {floor:.1f} (weights "
-            f"{on_device['params'] / params:.1f} + gradients {grads / params:.1f} + optimizer "
-            f"{on_device['opt_state'] / params:.1f})")
+            f"{weights / params:.1f} + gradients {grads / params:.1f} + optimizer {optimizer / params:.1f})")
     if compiled_total_gib is not None:
         plan = compiled_total_gib * GiB / params
         line += f", plan {plan:.1f} ({plan / floor:.2f}x the floor: activations, temporaries, buffers)"

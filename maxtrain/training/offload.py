@@ -1,11 +1,12 @@
-"""The optimizer's update with its state in host memory (optimizer_memory_host_offload), streamed through the device
-one parameter at a time.
+"""The optimizer's update with its state or the weights in host memory (optimizer_memory_host_offload,
+parameter_memory_host_offload), streamed through the device one parameter at a time.
 
 Bringing the whole state in before the update (jax.device_put of the tree, as MaxText does) plans the same device
 memory as no offload: XLA's temporaries take what the arguments gave up. Here each parameter's part of the state
 comes in, is updated and goes back out before the next part comes in (each transfer waits, through an
 optimization barrier, for the previous part to be back on the host), so the device holds the moments of one
-parameter at a time: for a scanned stack, one stacked weight's.
+parameter at a time: for a scanned stack, one stacked weight's. Host-offloaded weights come in the same way, with
+their part of the state: the forward and backward passes' copy of them is dead by then.
 
 Any optax transformation whose update is per parameter (AdamW, Muon, masks) streams this way: each part is one
 update of the whole tree in which every other parameter is an empty array of its rank (no work, no memory). The
@@ -28,11 +29,10 @@ def _empty(x):
     return jnp.zeros((0,) * x.ndim, x.dtype)
 
 
-def streamed_update(tx, grads, opt_state, params, finite, clip: float, device_shardings, host_shardings):
-    """(params, opt_state) after one update of `tx`: `opt_state` lives in pinned_host memory (`host_shardings`,
-    its device twin `device_shardings`); `params` and `grads` are on the device."""
-    if clip > 0:  # the global norm, once: a part's own clip inside tx then sees a norm below the threshold
-        grads, _ = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())
+def streamed_update(tx, grads, grad_norm, opt_state, params, finite, clip: float, on_device, home):
+    """(params, opt_state) after one update of `tx`. `home` holds the shardings (a TrainState's params and
+    opt_state) where each lives between steps, pinned_host memory where offloaded; `on_device` their device twins.
+    `grads` are on the device; `grad_norm` is their global norm."""
     param_leaves, param_def = jax.tree.flatten(params)
     grad_leaves = jax.tree.leaves(grads)
     is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
@@ -41,31 +41,36 @@ def streamed_update(tx, grads, opt_state, params, finite, clip: float, device_sh
         tx, lambda leaf, i: leaf if is_masked(leaf) else i, opt_state, indices,
         transform_non_params=lambda _: NOT_A_PARAMETER, is_leaf=is_masked))
     state_leaves, state_def = jax.tree.flatten(opt_state)
-    device_leaves, host_leaves = jax.tree.leaves(device_shardings), jax.tree.leaves(host_shardings)
+    device_leaves, home_leaves = jax.tree.leaves(on_device.opt_state), jax.tree.leaves(home.opt_state)
+    param_device, param_home = jax.tree.leaves(on_device.params), jax.tree.leaves(home.params)
     counters = [j for j, owner in enumerate(owners) if owner == NOT_A_PARAMETER]  # on the device throughout
-    on_device = dict(zip(counters, jax.device_put([state_leaves[j] for j in counters],
-                                                  [device_leaves[j] for j in counters])))
+    on_device_now = dict(zip(counters, jax.device_put([state_leaves[j] for j in counters],
+                                                      [device_leaves[j] for j in counters])))
     new_params, new_state = list(param_leaves), [None] * len(state_leaves)
     previous = None
     for i in range(len(param_leaves)):
         mine = [j for j, owner in enumerate(owners) if owner == i]
-        incoming = [state_leaves[j] for j in mine]
-        if previous is not None:  # not before the previous part is back on the host
+        incoming = (param_leaves[i], [state_leaves[j] for j in mine])
+        if previous is not None:  # not before the previous part is back home
             incoming, _ = jax.lax.optimization_barrier((incoming, previous))
-        incoming = dict(zip(mine, jax.device_put(incoming, [device_leaves[j] for j in mine])))
-        part_state = [incoming.get(j, on_device.get(j)) if j in incoming or j in on_device else _empty(x)
+        param, incoming = jax.device_put(incoming, (param_device[i], [device_leaves[j] for j in mine]))
+        grad = grad_leaves[i]
+        if clip > 0:  # by the global norm, as optax.clip_by_global_norm (a part's own clip in tx then does nothing)
+            grad = jax.lax.select(grad_norm < clip, grad, (grad / grad_norm.astype(grad.dtype)) * clip)
+        incoming = dict(zip(mine, incoming))
+        part_state = [incoming.get(j, on_device_now.get(j)) if j in incoming or j in on_device_now else _empty(x)
                       for j, x in enumerate(state_leaves)]
-        part = lambda leaves, k=i: [x if n == k else _empty(x) for n, x in enumerate(leaves)]  # noqa: E731
-        updates, out_state = tx.update(jax.tree.unflatten(param_def, part(grad_leaves)),
+        part_params = [param if n == i else _empty(x) for n, x in enumerate(param_leaves)]
+        part_grads = [grad if n == i else _empty(x) for n, x in enumerate(grad_leaves)]
+        updates, out_state = tx.update(jax.tree.unflatten(param_def, part_grads),
                                        jax.tree.unflatten(state_def, part_state),
-                                       jax.tree.unflatten(param_def, part(param_leaves)))
-        updated = optax.apply_updates(param_leaves[i], jax.tree.leaves(updates)[i])
-        new_params[i] = jnp.where(finite, updated, param_leaves[i])
+                                       jax.tree.unflatten(param_def, part_params))
+        updated = jnp.where(finite, optax.apply_updates(param, jax.tree.leaves(updates)[i]), param)
         out_leaves = jax.tree.leaves(out_state)
         keep = mine + (counters if i == 0 else [])  # every part counts the same step: the first one's counters
         outgoing = [jnp.where(finite, out_leaves[j], part_state[j]) for j in keep]
-        outgoing = jax.device_put(outgoing, [host_leaves[j] for j in keep])
+        new_params[i], outgoing = jax.device_put((updated, outgoing), (param_home[i], [home_leaves[j] for j in keep]))
         for j, x in zip(keep, outgoing):
             new_state[j] = x
-        previous = outgoing
+        previous = (new_params[i], outgoing)
     return jax.tree.unflatten(param_def, new_params), jax.tree.unflatten(state_def, new_state)

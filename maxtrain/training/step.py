@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import flax.struct
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -240,7 +241,7 @@ def _layer_orders(model) -> tuple[Callable, Callable]:
             functools.partial(pipeline.to_model_order, names={name}, layers=count, schedule=schedule))
 
 
-def _make_step(c: Config, model, tx, mesh, on_device: TrainState, on_host: TrainState, batch_sharding):
+def _make_step(c: Config, model, tx, mesh, on_device: TrainState, home: TrainState, batch_sharding):
     param_shardings = on_device.params
     accum = c.gradient_accumulation_steps
     schedule = learning_rate_schedule(c)
@@ -265,13 +266,14 @@ def _make_step(c: Config, model, tx, mesh, on_device: TrainState, on_host: Train
         return jax.tree.map(split, batch)
 
     balance = load_balancer(c)
-
+    offloaded = c.optimizer_memory_host_offload or c.parameter_memory_host_offload
     sources = len(c.data_sources)
 
     def step(state: TrainState, batch: dict):
-        # A host-offloaded state comes in when needed: the weights now, the optimizer's after the gradients (not
-        # beside the backward pass's activations).
-        state = state.replace(params=jax.device_put(state.params, on_device.params))
+        # A host-offloaded state comes in when needed: a copy of the weights for the forward and backward passes
+        # now, each parameter's weights and optimizer state for its update after the gradients (not beside the
+        # backward pass's activations).
+        params_in = jax.device_put(state.params, on_device.params)
         checksum = rows.checksum(batch, jnp)  # of the batch as the data pipeline made it
         if sources:  # each source's tokens in this batch (the realized mixture), then the model's inputs alone
             source_ids = batch.pop("source_ids")
@@ -280,14 +282,15 @@ def _make_step(c: Config, model, tx, mesh, on_device: TrainState, on_host: Train
         batch = balance(mtp.shifted(batch, c.mtp_num_layers))  # the depths' targets, shifted in sequence order
         tokens = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
         if accum == 1:
-            (_, aux), grads = grad_fn(state.params, batch=batch, scale=1.0 / tokens)
+            (_, aux), grads = grad_fn(params_in, batch=batch, scale=1.0 / tokens)
         else:
             def body(carry, micro):
-                (_, aux), g = grad_fn(state.params, batch=micro, scale=1.0 / tokens)
+                (_, aux), g = grad_fn(params_in, batch=micro, scale=1.0 / tokens)
                 g = jax.lax.with_sharding_constraint(g, param_shardings)
                 return jax.tree.map(jnp.add, carry, (g, aux)), None
             first = jax.tree.map(lambda x: x[0], micro_batches(batch))
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda: (state.params, grad_fn(state.params, batch=first)[0][1])))
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                 jax.eval_shape(lambda: (params_in, grad_fn(params_in, batch=first)[0][1])))
             (grads, aux), _ = jax.lax.scan(body, zeros, micro_batches(batch))
         loss, grad_norm = aux["loss_sum"] / tokens, optax.tree.norm(grads)
         moe_layers = jax.tree.map(lambda x: x / tokens, aux.pop("moe_load", None))
@@ -295,14 +298,13 @@ def _make_step(c: Config, model, tx, mesh, on_device: TrainState, on_host: Train
         # state as they were, on device (no host sync). A cond, not a select: as fast as no guard.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        if c.optimizer_memory_host_offload:  # the state streams through the device a parameter at a time
+        if offloaded:  # the state streams through the device a parameter at a time
             grads = jax.lax.optimization_barrier(grads)  # once the backward pass is done
-            params, opt_state = offload.streamed_update(tx, grads, state.opt_state, state.params, finite,
-                                                        c.gradient_clipping_threshold, on_device.opt_state,
-                                                        on_host.opt_state)
+            params, opt_state = offload.streamed_update(tx, grads, grad_norm, state.opt_state, state.params, finite,
+                                                        c.gradient_clipping_threshold, on_device, home)
             if c.routed_bias:
-                params = jax.tree.map(lambda a, b: jnp.where(finite, a, b), moe.update_router_bias(
-                    params, moe_layers, c.routed_bias_update_rate), params)
+                params = _router_bias_update(params, moe_layers, c.routed_bias_update_rate, finite,
+                                             on_device.params, home.params)
         else:
             def update(_):
                 updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -323,3 +325,12 @@ def _make_step(c: Config, model, tx, mesh, on_device: TrainState, on_host: Train
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step
+
+
+def _router_bias_update(params, moe_layers, rate: float, finite, on_device, home):
+    """DeepSeek-V3's bias update after a streamed update: only the router biases come in and go back home."""
+    flat, device, home = (traverse_util.flatten_dict(t) for t in (params, on_device, home))
+    biases = {path: jax.device_put(x, device[path]) for path, x in flat.items() if path[-1] == "router_bias"}
+    moved = traverse_util.flatten_dict(moe.update_router_bias(traverse_util.unflatten_dict(biases), moe_layers, rate))
+    flat |= {path: jax.device_put(jnp.where(finite, x, biases[path]), home[path]) for path, x in moved.items()}
+    return traverse_util.unflatten_dict(flat)
