@@ -10,7 +10,7 @@ their part of the state: the forward and backward passes' copy of them is dead b
 
 Any optax transformation whose update is per parameter (AdamW, Muon, masks) streams this way: each part is one
 update of the whole tree in which every other parameter is an empty array of its rank (no work, no memory). The
-gradients are clipped by their global norm before (each part's clip then changes nothing), and the state's
+gradients of each part are clipped by the step's global norm (tx's own clip then changes nothing), and the state's
 counters come from the first part (every part counts the same step). A step whose loss or gradients are not
 finite keeps each part as it was (a select per part, not a cond around the whole update).
 """
