@@ -28,9 +28,19 @@ def launch_env(tmp_path):
 
 
 def launch(tmp_path, *args, timeout=600, env=None):
+    """The launcher's result; past `timeout`, a failed one (returncode None) with what the job printed by then and
+    process 1's log, so the assertion that follows says where it stood."""
     env = {**launch_env(tmp_path), **(env or {})}
-    return subprocess.run([LAUNCH, "2", TINY, f"base_output_directory={tmp_path}", "log_period=1", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    command = [LAUNCH, "2", TINY, f"base_output_directory={tmp_path}", "log_period=1", *args]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        text = lambda out: out.decode(errors="replace") if isinstance(out, bytes) else out or ""  # noqa: E731
+        log = tmp_path / "logs" / "process_1.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        process_1 = "\n".join(x for x in lines if not x.startswith("[Gloo]"))[-2000:]
+        return subprocess.CompletedProcess(command, None, text(e.stdout), f"timed out after {timeout} s\n"
+                                           f"{text(e.stderr)}\n--- process_1.log:\n{process_1}")
 
 
 def losses(run_dir):

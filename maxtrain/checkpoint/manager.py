@@ -464,12 +464,17 @@ class Checkpointer:
             target = self.directory / f"{step}.{why}{n}"
         if jax.process_index() == 0:
             (self.directory / str(step)).rename(target)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices(f"maxtrain_move_aside_{step}")
-        self.manager.reload()
+        _sync(f"maxtrain_move_aside_{step}")
+        self.manager.reload()  # reads every step's metadata: ...
         self._forget([step])
+        _sync(f"maxtrain_moved_aside_{step}")  # ... so no step moves before every process has reloaded
         return target
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def incomplete_steps(directory: Path) -> list[Path]:
