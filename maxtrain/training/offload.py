@@ -29,6 +29,11 @@ def _empty(x):
     return jnp.zeros((0,) * x.ndim, x.dtype)
 
 
+def _alone(treedef, leaves, i: int, x):
+    """The tree with `x` at leaf i and every other leaf empty."""
+    return jax.tree.unflatten(treedef, [x if n == i else _empty(y) for n, y in enumerate(leaves)])
+
+
 def streamed_update(tx, grads, grad_norm, opt_state, params, finite, clip: float, on_device, home):
     """(params, opt_state) after one update of `tx`. `home` holds the shardings (a TrainState's params and
     opt_state) where each lives between steps, pinned_host memory where offloaded; `on_device` their device twins.
@@ -60,11 +65,9 @@ def streamed_update(tx, grads, grad_norm, opt_state, params, finite, clip: float
         incoming = dict(zip(mine, incoming))
         part_state = [incoming.get(j, on_device_now.get(j)) if j in incoming or j in on_device_now else _empty(x)
                       for j, x in enumerate(state_leaves)]
-        part_params = [param if n == i else _empty(x) for n, x in enumerate(param_leaves)]
-        part_grads = [grad if n == i else _empty(x) for n, x in enumerate(grad_leaves)]
-        updates, out_state = tx.update(jax.tree.unflatten(param_def, part_grads),
+        updates, out_state = tx.update(_alone(param_def, grad_leaves, i, grad),
                                        jax.tree.unflatten(state_def, part_state),
-                                       jax.tree.unflatten(param_def, part_params))
+                                       _alone(param_def, param_leaves, i, param))
         updated = jnp.where(finite, optax.apply_updates(param, jax.tree.leaves(updates)[i]), param)
         out_leaves = jax.tree.leaves(out_state)
         keep = mine + (counters if i == 0 else [])  # every part counts the same step: the first one's counters
